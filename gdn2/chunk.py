@@ -1,0 +1,228 @@
+"""Chunked (WY) GDN-2 forward and its analytic backward, written once over the ``gdn2.xp`` shim.
+
+Time is split into chunks of ``C`` tokens (the last one zero-padded: a step with ``k = 0`` and
+``g = 0`` leaves the state unchanged). Inside a chunk, with ``G`` the cumulative log decay and
+``S`` the state entering it::
+
+    A[i, j] = sum_c b_ic k_ic k_jc exp(G_ic - G_jc)   (j < i)      erase interactions
+    P[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)        (j <= i)     query-key interactions
+    U       = (I + A)^{-1} (w * v) - (I + A)^{-1} (b * k * exp(G)) S   "new values"
+    o       = scale * ((q * exp(G)) S + P U)
+    S'      = exp(G_last) * S + (k * exp(G_last - G))^T U
+
+Numerics: every exponent above is a pairwise difference ``G_i - G_j <= 0`` (j <= i) or
+``G_i <= 0``, computed as such, so nothing overflows for any ``g <= 0``; the price is the
+``[C, C, K]`` pairwise-decay tensor ``E`` per chunk (``decay_pairs``).
+
+The backward is the exact adjoint. It keeps only the inputs and the chunk-boundary states from the
+forward and recomputes the in-chunk terms. Gated bilinear forms ``M = pair(X, Y)`` have the
+adjoint ``dX = left(dM, Y)``, ``dY = right(dM, X)`` and contribute ``X * dX - Y * dY`` to ``dG``.
+
+Internal layout: ``[B, H, N, C, D]`` (N chunks of C steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .xp import Ops
+
+
+def to_chunks(ops: Ops, x, chunk_size: int):
+    """``[B, T, H, D]`` -> ``[B, H, N, C, D]``, zero-padding T up to a multiple of C."""
+    B, T, H, D = x.shape
+    N = -(-T // chunk_size)
+    if N * chunk_size != T:
+        x = ops.pad_time(x, N * chunk_size - T)
+    return ops.transpose(x.reshape(B, N, chunk_size, H, D), (0, 3, 1, 2, 4))
+
+
+def from_chunks(ops: Ops, x, T: int):
+    """``[B, H, N, C, D]`` -> ``[B, T, H, D]`` (padding dropped)."""
+    B, H, N, C, D = x.shape
+    return ops.transpose(x, (0, 2, 3, 1, 4)).reshape(B, N * C, H, D)[:, :T]
+
+
+def decay_pairs(ops: Ops, G):
+    """``E[..., i, j, c] = exp(G_ic - G_jc)`` for ``j <= i``, else 0. ``G``: ``[..., C, K]``."""
+    C = G.shape[-2]
+    mask = ops.tril(C, False, G)[:, :, None]
+    return ops.exp((G[..., :, None, :] - G[..., None, :, :]) * mask) * mask
+
+
+def pair(X, Y, E):
+    """``M[i, j] = sum_c X_ic Y_jc E_ijc``: ``[..., C, C]``."""
+    return (X[..., :, None, :] * Y[..., None, :, :] * E).sum(-1)
+
+
+def pair_left(dM, Y, E):
+    """Adjoint of ``pair`` in X: ``dX[i, c] = sum_j dM_ij Y_jc E_ijc``."""
+    return (dM[..., None] * Y[..., None, :, :] * E).sum(-2)
+
+
+def pair_right(dM, X, E):
+    """Adjoint of ``pair`` in Y: ``dY[j, c] = sum_i dM_ij X_ic E_ijc``."""
+    return (dM[..., None] * X[..., :, None, :] * E).sum(-3)
+
+
+def mT(x):
+    """Swap the last two axes (``.mT`` is not in every framework)."""
+    axes = list(range(x.ndim if hasattr(x, "ndim") else len(x.shape)))
+    axes[-1], axes[-2] = axes[-2], axes[-1]
+    return x.transpose(axes) if not hasattr(x, "mT") else x.mT
+
+
+@dataclass
+class Intra:
+    """In-chunk terms, all ``[B, H, N, ...]``."""
+
+    G: object  # cumulative log decay [C, K]
+    E: object  # pairwise decay [C, C, K]
+    bk: object  # b * k [C, K]
+    P: object  # query-key interactions [C, C]
+    inverse: object  # (I + A)^{-1} [C, C]
+    Uw: object  # inverse @ (w * v) [C, V]
+    Wk: object  # inverse @ (b * k * exp(G)) [C, K]
+    Qg: object  # q * exp(G) [C, K]
+    Kd: object  # k * exp(G_last - G) [C, K]
+    gamma: object  # exp(G_last) [K]
+
+
+def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
+    """Everything that does not depend on the state; parallel over all chunks."""
+    C = q.shape[-2]
+    G = ops.cumsum(g, axis=-2)
+    E = decay_pairs(ops, G)
+    bk = b * k
+    A = pair(bk, k, E) * ops.tril(C, True, G)
+    P = pair(q, k, E)
+    inverse = ops.unit_lower_inverse(A)
+    exp_G = ops.exp(G)
+    G_last = G[..., C - 1 :, :]
+    return Intra(
+        G=G,
+        E=E,
+        bk=bk,
+        P=P,
+        inverse=inverse,
+        Uw=inverse @ (w * v),
+        Wk=inverse @ (bk * exp_G),
+        Qg=q * exp_G,
+        Kd=k * ops.exp(G_last - G),
+        gamma=ops.exp(G_last[..., 0, :]),
+    )
+
+
+def forward(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size: int):
+    """Chunked forward.
+
+    Inputs ``[B, T, H, D]`` in the compute dtype; ``initial_state`` ``[B, H, K, V]`` or None.
+    Returns ``(o [B, T, H, V], final_state [B, H, K, V], states [B, H, N, K, V])`` where ``states``
+    holds the state entering each chunk (what the backward needs).
+    """
+    T = q.shape[1]
+    q, k, g, b, v, w = (to_chunks(ops, x, chunk_size) for x in (q, k, g, b, v, w))
+    B, H, N, C, K = q.shape
+    intra = intra_chunk(ops, q, k, v, g, b, w)
+    state = initial_state if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
+    states, new_values = [], []
+    for n in range(N):
+        states.append(state)
+        U = intra.Uw[:, :, n] - intra.Wk[:, :, n] @ state
+        new_values.append(U)
+        state = intra.gamma[:, :, n, :, None] * state + mT(intra.Kd[:, :, n]) @ U
+    states = ops.stack(states, axis=2)
+    U = ops.stack(new_values, axis=2)
+    o = scale * (intra.Qg @ states + intra.P @ U)
+    return from_chunks(ops, o, T), state, states
+
+
+def backward(ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_state, chunk_size: int):
+    """Exact adjoint of ``forward``.
+
+    ``states`` is forward's third output; ``d_o`` ``[B, T, H, V]``; ``d_final_state``
+    ``[B, H, K, V]`` or None. Returns ``(dq, dk, dv, dg, db, dw, d_initial_state)`` in the compute
+    dtype, inputs shaped ``[B, T, H, D]``.
+    """
+    T = q.shape[1]
+    q, k, g, b, v, w, d_o = (to_chunks(ops, x, chunk_size) for x in (q, k, g, b, v, w, d_o))
+    B, H, N, C, K = q.shape
+    intra = intra_chunk(ops, q, k, v, g, b, w)
+    U = intra.Uw - intra.Wk @ states
+    inclusive = ops.tril(C, False, q)
+
+    # o = scale * (Qg S + P U)
+    d_Qg = scale * (d_o @ mT(states))
+    d_P = scale * (d_o @ mT(U)) * inclusive
+    d_U = scale * (mT(intra.P) @ d_o)
+
+    # Reverse pass over chunks: d_state is the gradient of the state leaving chunk n.
+    d_state = d_final_state if d_final_state is not None else ops.zeros(states.shape[:2] + states.shape[3:], like=q)
+    d_leaving = [None] * N
+    for n in reversed(range(N)):
+        d_leaving[n] = d_state
+        d_U_n = d_U[:, :, n] + intra.Kd[:, :, n] @ d_state
+        d_state = (
+            intra.gamma[:, :, n, :, None] * d_state
+            + mT(intra.Qg[:, :, n]) @ (scale * d_o[:, :, n])
+            - mT(intra.Wk[:, :, n]) @ d_U_n
+        )
+    d_initial_state = d_state
+    d_leaving = ops.stack(d_leaving, axis=2)
+
+    # S' = gamma * S + Kd^T U ;  U = Uw - Wk S
+    d_U = d_U + intra.Kd @ d_leaving
+    d_Kd = U @ mT(d_leaving)
+    d_gamma = ops.sum(d_leaving * states, axis=-1)
+    d_Wk = -(d_U @ mT(states))
+
+    # Uw = inverse (w v), Wk = inverse (bk exp(G)); inverse = (I + A)^{-1}
+    d_wv = mT(intra.inverse) @ d_U
+    d_bkg = mT(intra.inverse) @ d_Wk
+    d_A = -(d_wv @ mT(intra.Uw) + d_bkg @ mT(intra.Wk)) * ops.tril(C, True, q)
+    dw = d_wv * v
+    dv = d_wv * w
+
+    exp_G = ops.exp(intra.G)
+    d_bk = d_bkg * exp_G
+    d_G = d_bkg * intra.bk * exp_G
+    dq = d_Qg * exp_G
+    d_G = d_G + d_Qg * intra.Qg
+    dk = d_Kd * ops.exp(intra.G[..., C - 1 :, :] - intra.G)
+    d_G = d_G - d_Kd * intra.Kd
+    d_G_last = ops.sum(d_Kd * intra.Kd, axis=-2) + d_gamma * intra.gamma  # [B, H, N, K]
+
+    # A = pair(bk, k) (strict), P = pair(q, k) (inclusive)
+    d_bk_A = pair_left(d_A, k, intra.E)
+    d_k_A = pair_right(d_A, intra.bk, intra.E)
+    d_q_P = pair_left(d_P, k, intra.E)
+    d_k_P = pair_right(d_P, q, intra.E)
+    d_bk = d_bk + d_bk_A
+    dq = dq + d_q_P
+    dk = dk + d_k_A + d_k_P + d_bk * b
+    d_G = d_G + intra.bk * d_bk_A - k * d_k_A + q * d_q_P - k * d_k_P
+    db = d_bk * k
+
+    # G = cumsum(g); G_last = G[C - 1]
+    last = (ops.tril(C, False, q) - ops.tril(C, True, q))[C - 1][:, None]  # one-hot row C-1, [C, 1]
+    d_G = d_G + last * d_G_last[..., None, :]
+    dg = ops.cumsum(d_G, axis=-2, reverse=True)
+
+    grads = (from_chunks(ops, x, T) for x in (dq, dk, dv, dg, db, dw))
+    return (*grads, d_initial_state)
+
+
+def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state):
+    """Token-by-token recurrence in framework ops (the reference path; differentiated by autodiff).
+
+    Inputs ``[B, T, H, D]``; returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
+    """
+    B, T, H, K = q.shape
+    state = initial_state if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
+    outputs = []
+    for t in range(T):
+        decayed = state * ops.exp(g[:, t])[..., None]
+        erased = ops.sum((b[:, t] * k[:, t])[..., None] * decayed, axis=-2)
+        state = decayed + k[:, t][..., None] * (w[:, t] * v[:, t] - erased)[..., None, :]
+        outputs.append(scale * ops.sum(q[:, t][..., None] * state, axis=-2))
+    return ops.stack(outputs, axis=1), state

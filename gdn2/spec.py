@@ -1,0 +1,238 @@
+"""The shared definition of Gated DeltaNet-2: shapes, validation, and the float64 reference.
+
+Per batch element and head, with a state ``S`` of shape ``[K, V]``::
+
+    D       = S_{t-1} * exp(g_t)[:, None]        decay, per key channel
+    erased  = (b_t * k_t) @ D                    read along the erase-gated key   [V]
+    u       = w_t * v_t - erased                 write-gated value minus what is erased
+    S_t     = D + outer(k_t, u)
+    o_t     = scale * (q_t @ S_t)                [V]
+
+Layout ``[B, T, H, D]``: q, k, g, b are ``[B, T, H, K]``; v, w are ``[B, T, H, V]``; the state is
+``[B, H, K, V]``. Everything in this module is numpy; the reference runs in float64 and is the ground
+truth every path of every framework is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_INPUTS = ("q", "k", "g", "b")
+VALUE_INPUTS = ("v", "w")
+INPUT_NAMES = ("q", "k", "v", "g", "b", "w")
+PATHS = ("reference", "chunk", "kernel")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of one call: batch, time, heads, key dim, value dim, and state rows (N)."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    N: int  # rows of initial_state / final_state: B, or the number of packed sequences
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def _dtype_name(x) -> str:
+    """'float32', 'bfloat16', ... for numpy, torch and mlx arrays alike."""
+    return str(x.dtype).rsplit(".", 1)[-1]
+
+
+def validate(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int = 64, cu_seqlens=None) -> Dims:
+    """Check shapes, dtypes and arguments of a GDN-2 call; return its sizes.
+
+    Works on numpy, torch and mlx arrays (it only reads ``.shape``, ``.dtype`` and, for
+    ``cu_seqlens``, the values). Every mismatch raises a ``ValueError`` that names the argument,
+    the expected and the received shape or dtype.
+    """
+    arrays = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name}: expected an array of shape [B, T, H, D], received {type(x).__name__}")
+        if len(x.shape) != 4:
+            raise ValueError(f"{name}: expected 4 dimensions [B, T, H, D], received shape {list(_shape(x))}")
+        if _dtype_name(x) not in ("float16", "bfloat16", "float32", "float64"):
+            raise ValueError(
+                f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), received {_dtype_name(x)}"
+            )
+    B, T, H, K = _shape(q)
+    V = _shape(v)[3]
+    for name in KEY_INPUTS:
+        if _shape(arrays[name]) != (B, T, H, K):
+            raise ValueError(
+                f"{name}: expected shape [B, T, H, K] = {[B, T, H, K]} (from q), received {list(_shape(arrays[name]))}"
+            )
+    for name in VALUE_INPUTS:
+        if _shape(arrays[name]) != (B, T, H, V):
+            raise ValueError(
+                f"{name}: expected shape [B, T, H, V] = {[B, T, H, V]} (B, T, H from q, V from v), "
+                f"received {list(_shape(arrays[name]))}"
+            )
+    if T < 1 or B < 1 or H < 1 or K < 1 or V < 1:
+        raise ValueError(f"q, v: every dimension must be >= 1, received q {[B, T, H, K]} and v {list(_shape(v))}")
+    dtype = _dtype_name(q)
+    for name, x in arrays.items():
+        if _dtype_name(x) != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype} (the dtype of q), received {_dtype_name(x)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an integer >= 1, received {chunk_size!r}")
+    if scale is not None:
+        try:
+            value = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"scale: expected a finite number > 0, received {scale!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"scale: expected a finite number > 0, received {scale!r}")
+    N = B
+    if cu_seqlens is not None:
+        N = validate_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        if not hasattr(initial_state, "shape"):
+            raise ValueError(f"initial_state: expected an array of shape {[N, H, K, V]}, received {type(initial_state).__name__}")
+        if _shape(initial_state) != (N, H, K, V):
+            rows = "N (sequences in cu_seqlens)" if cu_seqlens is not None else "B"
+            raise ValueError(
+                f"initial_state: expected shape [{rows}, H, K, V] = {[N, H, K, V]}, received {list(_shape(initial_state))}"
+            )
+        allowed = ("float32", "float64") if dtype == "float64" else ("float32",)
+        if _dtype_name(initial_state) not in allowed:
+            raise ValueError(
+                f"initial_state: expected dtype {' or '.join(allowed)}, received {_dtype_name(initial_state)}"
+            )
+    return Dims(B, T, H, K, V, N)
+
+
+def validate_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Check packed-sequence offsets ``[N + 1]`` (0, ..., T, non-decreasing, integer); return N."""
+    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, received {list(_shape(cu_seqlens))}")
+    if "int" not in _dtype_name(cu_seqlens):
+        raise ValueError(f"cu_seqlens: expected an integer dtype (int32 or int64), received {_dtype_name(cu_seqlens)}")
+    if B != 1:
+        raise ValueError(f"q: with cu_seqlens the batch size must be 1 (sequences packed along T), received B={B}")
+    offsets = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens: expected to start at 0, received {offsets[0]}")
+    if offsets[-1] != T:
+        raise ValueError(f"cu_seqlens: expected to end at T={T}, received {offsets[-1]}")
+    if np.any(np.diff(offsets) < 0):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, received {offsets.tolist()}")
+    return len(offsets) - 1
+
+
+def default_scale(K: int, scale=None) -> float:
+    return float(K) ** -0.5 if scale is None else float(scale)
+
+
+def reference_forward(q, k, v, g, b, w, scale=None, initial_state=None):
+    """Token-by-token GDN-2 in float64.
+
+    Returns ``(o [B, T, H, V], final_state [B, H, K, V])``, both float64.
+    """
+    dims = validate(q, k, v, g, b, w, scale, initial_state)
+    scale = default_scale(dims.K, scale)
+    q, k, v, g, b, w = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, b, w))
+    state = _initial(initial_state, dims)
+    o = np.empty((dims.B, dims.T, dims.H, dims.V))
+    for t in range(dims.T):
+        decayed = state * np.exp(g[:, t])[..., None]
+        erased = np.einsum("bhk,bhkv->bhv", b[:, t] * k[:, t], decayed)
+        state = decayed + k[:, t][..., None] * (w[:, t] * v[:, t] - erased)[:, :, None, :]
+        o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], state)
+    return o, state
+
+
+def reference_backward(q, k, v, g, b, w, d_o, scale=None, initial_state=None, d_final_state=None):
+    """Exact gradients of ``sum(o * d_o) + sum(final_state * d_final_state)``, in float64.
+
+    A forward pass keeps every state; a reverse-time pass applies the adjoint of each step.
+    Returns a dict with keys q, k, v, g, b, w, initial_state (shapes of the inputs).
+    """
+    dims = validate(q, k, v, g, b, w, scale, initial_state)
+    scale = default_scale(dims.K, scale)
+    q, k, v, g, b, w, d_o = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, b, w, d_o))
+    states = [_initial(initial_state, dims)]  # states[t] is S_{t-1} for step t (0-based)
+    for t in range(dims.T):
+        decayed = states[-1] * np.exp(g[:, t])[..., None]
+        erased = np.einsum("bhk,bhkv->bhv", b[:, t] * k[:, t], decayed)
+        states.append(decayed + k[:, t][..., None] * (w[:, t] * v[:, t] - erased)[:, :, None, :])
+    grads = {name: np.zeros_like(x) for name, x in dict(q=q, k=k, v=v, g=g, b=b, w=w).items()}
+    d_state = np.zeros_like(states[0]) if d_final_state is None else np.array(d_final_state, dtype=np.float64)
+    for t in reversed(range(dims.T)):
+        prev, state = states[t], states[t + 1]
+        decay = np.exp(g[:, t])
+        decayed = prev * decay[..., None]
+        bk = b[:, t] * k[:, t]
+        u = w[:, t] * v[:, t] - np.einsum("bhk,bhkv->bhv", bk, decayed)
+        # o_t = scale * q_t @ S_t
+        grads["q"][:, t] = scale * np.einsum("bhkv,bhv->bhk", state, d_o[:, t])
+        d_state = d_state + scale * q[:, t][..., None] * d_o[:, t][:, :, None, :]
+        # S_t = D + outer(k, u)
+        d_decayed = d_state.copy()
+        d_k = np.einsum("bhkv,bhv->bhk", d_state, u)
+        d_u = np.einsum("bhk,bhkv->bhv", k[:, t], d_state)
+        # u = w * v - bk @ D
+        grads["w"][:, t] = d_u * v[:, t]
+        grads["v"][:, t] = d_u * w[:, t]
+        d_bk = -np.einsum("bhkv,bhv->bhk", decayed, d_u)
+        d_decayed -= bk[..., None] * d_u[:, :, None, :]
+        grads["b"][:, t] = d_bk * k[:, t]
+        grads["k"][:, t] = d_k + d_bk * b[:, t]
+        # D = S_{t-1} * exp(g)
+        grads["g"][:, t] = np.sum(d_decayed * prev, axis=-1) * decay
+        d_state = d_decayed * decay[..., None]
+    grads["initial_state"] = d_state
+    return grads
+
+
+def _initial(initial_state, dims: Dims) -> np.ndarray:
+    if initial_state is None:
+        return np.zeros((dims.B, dims.H, dims.K, dims.V))
+    return np.array(initial_state, dtype=np.float64)
+
+
+def random_inputs(
+    B: int, T: int, H: int, K: int, V: int, seed: int, *, log_decay_range=(-3.0, 0.0), erase_max: float = 1.0
+) -> dict[str, np.ndarray]:
+    """Fresh random float64 inputs in the regime real layers produce.
+
+    q, k are L2-normalised over K (as the layer does); g is uniform in ``log_decay_range``;
+    b is uniform in ``[0, erase_max]``; w in ``[0, 1]``; the initial state is Gaussian.
+    """
+    rng = np.random.default_rng(seed)
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    low, high = log_decay_range
+    return dict(
+        q=unit((B, T, H, K)),
+        k=unit((B, T, H, K)),
+        v=rng.standard_normal((B, T, H, V)),
+        g=rng.uniform(low, high, (B, T, H, K)),
+        b=rng.uniform(0.0, erase_max, (B, T, H, K)),
+        w=rng.uniform(0.0, 1.0, (B, T, H, V)),
+        initial_state=rng.standard_normal((B, H, K, V)),
+    )
+
+
+def relative_error(x, reference) -> float:
+    """``||x - reference|| / ||reference||`` in float64 (NaN anywhere gives inf)."""
+    x = np.asarray(x, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    if x.shape != reference.shape:
+        raise ValueError(f"x: expected shape {list(reference.shape)}, received {list(x.shape)}")
+    if not np.all(np.isfinite(x)):
+        return math.inf
+    norm = np.linalg.norm(reference)
+    return float(np.linalg.norm(x - reference) / (norm if norm > 0 else 1.0))
