@@ -1,0 +1,140 @@
+"""MLX entry points: ``chunk_gdn2`` (path-selecting) and ``recurrent_gdn2`` (token by token).
+
+The chunk path is an ``mx.custom_function`` whose forward is the chunked WY form and whose ``vjp``
+is the analytic chunked adjoint (both from ``gdn2/chunk.py``); the reference path is the recurrence
+in MLX ops under MLX autodiff; the kernel path is Metal (``gdn2/mlx/metal.py``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .. import chunk as algorithm
+from ..paths import PathChoice, announce, choose
+from ..spec import default_scale, validate
+from .xp import mlx_ops
+
+__all__ = ["chunk_gdn2", "recurrent_gdn2", "which_path"]
+
+
+def _compute_dtype(x: mx.array) -> mx.Dtype:
+    """float64 stays float64 (MLX runs it on the CPU); everything else is computed in float32."""
+    return mx.float64 if x.dtype == mx.float64 else mx.float32
+
+
+@lru_cache(maxsize=None)
+def _chunk_function(scale: float, chunk_size: int):
+    """One ``mx.custom_function`` per (scale, chunk_size): arrays are its only arguments.
+
+    It returns ``(o, final_state, states)``; ``states`` (the state entering each chunk) is an
+    output only so that the vjp receives it, and callers drop it (its cotangent is zero).
+    """
+
+    @mx.custom_function
+    def chunk(q, k, v, g, b, w, initial_state):
+        dtype = _compute_dtype(q)
+        inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
+        o, final_state, states = algorithm.forward(
+            mlx_ops, *inputs, scale, initial_state.astype(dtype), chunk_size
+        )
+        return o.astype(q.dtype), final_state.astype(initial_state.dtype), states
+
+    @chunk.vjp
+    def chunk_vjp(primals, cotangents, outputs):
+        q, k, v, g, b, w, initial_state = primals
+        d_o, d_final_state, _ = cotangents
+        states = outputs[2]
+        dtype = states.dtype
+        inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
+        *grads, d_initial = algorithm.backward(
+            mlx_ops, *inputs, scale, states, d_o.astype(dtype), d_final_state.astype(dtype), chunk_size
+        )
+        grads = [grad.astype(x.dtype) for grad, x in zip(grads, (q, k, v, g, b, w))]
+        return (*grads, d_initial.astype(initial_state.dtype))
+
+    return chunk
+
+
+def _metal_module():
+    try:
+        from . import metal
+    except Exception as error:  # the kernel module failed to import
+        return None, f"Metal kernels unavailable ({type(error).__name__}: {error})"
+    return metal, None
+
+
+def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path: str | None = None) -> PathChoice:
+    """The path ``chunk_gdn2`` takes for these arguments, and why."""
+    metal, problem = _metal_module()
+    if problem is None:
+        problem = metal.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
+    return choose("mlx", path, problem, "Metal kernel")
+
+
+def chunk_gdn2(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    b: mx.array,
+    w: mx.array,
+    scale: float | None = None,
+    initial_state: mx.array | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    path: str | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """Gated DeltaNet-2 over a sequence, differentiable in every input (MLX).
+
+    Same arguments, shapes and results as ``gdn2.torch.chunk_gdn2``:
+    q, k, g, b ``[B, T, H, K]``; v, w ``[B, T, H, V]``; initial_state ``[B, H, K, V]`` float32
+    (float64 with float64 inputs) or None. Returns ``(o [B, T, H, V], final_state or None)``.
+    Works under ``mx.grad``, ``mx.value_and_grad`` and ``mx.compile``.
+    """
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size)
+    scale = default_scale(dims.K, scale)
+    choice = which_path(q, k, v, g, b, w, initial_state, chunk_size, path)
+    announce("mlx", choice)
+    if choice.path == "kernel":
+        metal, _ = _metal_module()
+        try:
+            return metal.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
+        except Exception as error:  # a compile or launch failure gives way to the chunk path
+            announce("mlx", PathChoice("chunk", f"Metal kernel failed: {type(error).__name__}: {error}"), True)
+    if choice.path == "reference":
+        return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state)
+    if initial_state is None:
+        # Zeros stand in for a missing state; their gradient is computed and dropped.
+        initial_state = mx.zeros((dims.B, dims.H, dims.K, dims.V), dtype=_compute_dtype(q))
+    o, final_state, _ = _chunk_function(scale, chunk_size)(q, k, v, g, b, w, initial_state)
+    return o, (final_state if output_final_state else None)
+
+
+def recurrent_gdn2(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    b: mx.array,
+    w: mx.array,
+    scale: float | None = None,
+    initial_state: mx.array | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[mx.array, mx.array | None]:
+    """Token-by-token GDN-2 (same arguments and shapes as ``chunk_gdn2``; ``chunk_size`` unused).
+
+    With ``T == 1`` and a state this is the decode step. Differentiated by MLX autodiff.
+    """
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size)
+    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state)
+
+
+def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state):
+    dtype = _compute_dtype(q)
+    inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
+    state = None if initial_state is None else initial_state.astype(dtype)
+    o, final_state = algorithm.recurrent(mlx_ops, *inputs, scale, state)
+    return o.astype(q.dtype), (final_state if output_final_state else None)

@@ -1,0 +1,44 @@
+"""The ``gdn2.xp`` shim for MLX."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..xp import Ops
+
+
+class MlxOps(Ops):
+    def exp(self, x):
+        return mx.exp(x)
+
+    def cumsum(self, x, axis, reverse=False):
+        return mx.cumsum(x, axis=axis, reverse=reverse)
+
+    def transpose(self, x, axes):
+        return mx.transpose(x, axes)
+
+    def stack(self, xs, axis):
+        return mx.stack(xs, axis=axis)
+
+    def concat(self, xs, axis):
+        return mx.concatenate(xs, axis=axis)
+
+    def zeros(self, shape, like):
+        return mx.zeros(shape, dtype=like.dtype)
+
+    def pad_time(self, x, extra):
+        return mx.pad(x, [(0, 0), (0, extra), (0, 0), (0, 0)])
+
+    def tril(self, n, strict, like):
+        return mx.tril(mx.ones((n, n), dtype=like.dtype), k=-1 if strict else 0)
+
+    def unit_lower_inverse(self, A):
+        if mx.default_device() == mx.cpu:
+            # MLX's triangular solve runs on the CPU stream only; on the GPU the shim's forward
+            # substitution (plain matmuls) is used instead.
+            eye = mx.eye(A.shape[-1], dtype=A.dtype)
+            return mx.linalg.solve_triangular(eye + A, mx.broadcast_to(eye, A.shape), upper=False, stream=mx.cpu)
+        return super().unit_lower_inverse(A)
+
+
+mlx_ops = MlxOps()

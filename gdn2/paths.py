@@ -1,0 +1,68 @@
+"""Path selection shared by both frameworks: reference, chunk or kernel.
+
+Order of precedence: the ``path`` argument, then the ``GDN2_PATH`` environment variable, then
+automatic (the kernel where it can run, else the chunk path). A requested kernel that cannot run
+gives way to the chunk path with one warning; every choice is logged once at INFO on the
+``gdn2`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+from .spec import PATHS
+
+logger = logging.getLogger("gdn2")
+_said: set[tuple] = set()
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which path a call takes (``reference``, ``chunk`` or ``kernel``), and why."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.reason})"
+
+
+def requested_path(path: str | None) -> tuple[str | None, str]:
+    """The path asked for by argument or environment (None: automatic), and who asked."""
+    if path is not None:
+        if path not in PATHS:
+            raise ValueError(f"path: expected one of {', '.join(PATHS)} or None, received {path!r}")
+        return path, "requested by the path argument"
+    env = os.environ.get("GDN2_PATH", "").strip()
+    if env:
+        if env not in PATHS:
+            raise ValueError(f"GDN2_PATH: expected one of {', '.join(PATHS)}, received {env!r}")
+        return env, "requested by GDN2_PATH"
+    return None, "automatic"
+
+
+def choose(framework: str, path: str | None, kernel_problem: str | None, kernel_name: str) -> PathChoice:
+    """Decide the path. ``kernel_problem`` is None when the kernel can run, else why it cannot."""
+    wanted, source = requested_path(path)
+    if wanted in ("reference", "chunk"):
+        return PathChoice(wanted, source)
+    if kernel_problem is None:
+        return PathChoice("kernel", f"{kernel_name}, {source}")
+    if wanted == "kernel":
+        return PathChoice("chunk", f"{kernel_name} requested but unavailable: {kernel_problem}")
+    return PathChoice("chunk", f"automatic; {kernel_name} not used: {kernel_problem}")
+
+
+def announce(framework: str, choice: PathChoice, fallback: bool = False) -> None:
+    """Log a choice once; warn once when a requested or failing kernel gave way."""
+    key = (framework, choice.path, choice.reason)
+    if key in _said:
+        return
+    _said.add(key)
+    message = f"gdn2.{framework}: {choice}"
+    if fallback or "requested but unavailable" in choice.reason:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    logger.info(message)

@@ -1,0 +1,5 @@
+"""GDN-2 for PyTorch: ``from gdn2.torch import chunk_gdn2``."""
+
+from .chunk import chunk_gdn2, recurrent_gdn2, which_path
+
+__all__ = ["chunk_gdn2", "recurrent_gdn2", "which_path"]

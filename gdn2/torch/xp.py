@@ -1,0 +1,43 @@
+"""The ``gdn2.xp`` shim for PyTorch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..xp import Ops
+
+
+class TorchOps(Ops):
+    def exp(self, x):
+        return torch.exp(x)
+
+    def cumsum(self, x, axis, reverse=False):
+        if reverse:
+            return torch.flip(torch.cumsum(torch.flip(x, (axis,)), axis), (axis,))
+        return torch.cumsum(x, axis)
+
+    def transpose(self, x, axes):
+        return x.permute(*axes)
+
+    def stack(self, xs, axis):
+        return torch.stack(xs, axis)
+
+    def concat(self, xs, axis):
+        return torch.cat(xs, axis)
+
+    def zeros(self, shape, like):
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def pad_time(self, x, extra):
+        return F.pad(x, (0, 0, 0, 0, 0, extra))
+
+    def tril(self, n, strict, like):
+        return torch.ones(n, n, dtype=like.dtype, device=like.device).tril(-1 if strict else 0)
+
+    def unit_lower_inverse(self, A):
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+
+
+torch_ops = TorchOps()
