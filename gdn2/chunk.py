@@ -43,11 +43,17 @@ def from_chunks(ops: Ops, x, T: int):
     return ops.transpose(x, (0, 2, 3, 1, 4)).reshape(B, N * C, H, D)[:, :T]
 
 
-def decay_pairs(ops: Ops, G):
-    """``E[..., i, j, c] = exp(G_ic - G_jc)`` for ``j <= i``, else 0. ``G``: ``[..., C, K]``."""
-    C = G.shape[-2]
-    mask = ops.tril(C, False, G)[:, :, None]
-    return ops.exp((G[..., :, None, :] - G[..., None, :, :]) * mask) * mask
+def decay_pairs(ops: Ops, g):
+    """``E[..., i, j, c] = exp(sum_{j < s <= i} g_sc)`` for ``j <= i``, else 0. ``g``: ``[..., C, K]``.
+
+    The exponent is summed per pair (a cumsum down each column j), not taken as ``G_i - G_j``:
+    with strong decay ``|G|`` reaches hundreds and the difference of two such float32 sums
+    would lose the exponent's low digits (relative errors near 1e-4 in E).
+    """
+    C = g.shape[-2]
+    strict = ops.tril(C, True, g)[:, :, None]
+    exponent = ops.cumsum(g[..., :, None, :] * strict, axis=-3)
+    return ops.exp(exponent) * ops.tril(C, False, g)[:, :, None]
 
 
 def pair(X, Y, E):
@@ -85,6 +91,7 @@ class Intra:
     Wk: object  # inverse @ (b * k * exp(G)) [C, K]
     Qg: object  # q * exp(G) [C, K]
     Kd: object  # k * exp(G_last - G) [C, K]
+    decay_to_end: object  # exp(G_last - G) [C, K]
     gamma: object  # exp(G_last) [K]
 
 
@@ -92,7 +99,11 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
     """Everything that does not depend on the state; parallel over all chunks."""
     C = q.shape[-2]
     G = ops.cumsum(g, axis=-2)
-    E = decay_pairs(ops, G)
+    E = decay_pairs(ops, g)
+    # exp(sum_{s > i} g_s), the exponent summed directly for the same reason as in decay_pairs.
+    decay_to_end = ops.exp(
+        ops.concat([ops.cumsum(g, axis=-2, reverse=True)[..., 1:, :], 0 * g[..., :1, :]], axis=-2)
+    )
     bk = b * k
     A = pair(bk, k, E) * ops.tril(C, True, G)
     P = pair(q, k, E)
@@ -108,7 +119,8 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
         Uw=inverse @ (w * v),
         Wk=inverse @ (bk * exp_G),
         Qg=q * exp_G,
-        Kd=k * ops.exp(G_last - G),
+        Kd=k * decay_to_end,
+        decay_to_end=decay_to_end,
         gamma=ops.exp(G_last[..., 0, :]),
     )
 
@@ -188,25 +200,30 @@ def backward(ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_stat
     d_G = d_bkg * intra.bk * exp_G
     dq = d_Qg * exp_G
     d_G = d_G + d_Qg * intra.Qg
-    dk = d_Kd * ops.exp(intra.G[..., C - 1 :, :] - intra.G)
-    d_G = d_G - d_Kd * intra.Kd
-    d_G_last = ops.sum(d_Kd * intra.Kd, axis=-2) + d_gamma * intra.gamma  # [B, H, N, K]
+    dk = d_Kd * intra.decay_to_end
 
-    # A = pair(bk, k) (strict), P = pair(q, k) (inclusive)
+    # A = pair(bk, k) (strict), P = pair(q, k) (inclusive). P's diagonal does not depend on G
+    # (E_ii = 1): it is kept out of d_G, where its two equal and opposite terms would cancel
+    # only to rounding and swamp the small log-decay gradients of strongly decaying channels.
+    strict = ops.tril(C, True, q)
+    d_P_diagonal = ops.sum(d_P * (inclusive - strict), axis=-1)[..., None]  # [C, 1]
+    d_P = d_P * strict
     d_bk_A = pair_left(d_A, k, intra.E)
     d_k_A = pair_right(d_A, intra.bk, intra.E)
     d_q_P = pair_left(d_P, k, intra.E)
     d_k_P = pair_right(d_P, q, intra.E)
     d_bk = d_bk + d_bk_A
-    dq = dq + d_q_P
-    dk = dk + d_k_A + d_k_P + d_bk * b
+    dq = dq + d_q_P + d_P_diagonal * k
+    dk = dk + d_k_A + d_k_P + d_P_diagonal * q + d_bk * b
     d_G = d_G + intra.bk * d_bk_A - k * d_k_A + q * d_q_P - k * d_k_P
     db = d_bk * k
 
-    # G = cumsum(g); G_last = G[C - 1]
-    last = (ops.tril(C, False, q) - ops.tril(C, True, q))[C - 1][:, None]  # one-hot row C-1, [C, 1]
-    d_G = d_G + last * d_G_last[..., None, :]
-    dg = ops.cumsum(d_G, axis=-2, reverse=True)
+    # G_i = sum_{s <= i} g_s: terms in G_i reach every g_t with t <= i (a reverse cumsum).
+    # Kd_i = k_i exp(sum_{s > i} g_s) reaches g_t for t > i only, and gamma every g_t: summed
+    # directly (an exclusive cumsum), not as the difference of two large sums.
+    kd_terms = d_Kd * intra.Kd
+    before = ops.concat([ops.zeros(kd_terms.shape[:-2] + (1, K), like=q), ops.cumsum(kd_terms, axis=-2)[..., :-1, :]], axis=-2)
+    dg = ops.cumsum(d_G, axis=-2, reverse=True) + before + (d_gamma * intra.gamma)[..., None, :]
 
     grads = (from_chunks(ops, x, T) for x in (dq, dk, dv, dg, db, dw))
     return (*grads, d_initial_state)

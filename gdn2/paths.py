@@ -44,11 +44,20 @@ def requested_path(path: str | None) -> tuple[str | None, str]:
     return None, "automatic"
 
 
-def choose(framework: str, path: str | None, kernel_problem: str | None, kernel_name: str) -> PathChoice:
-    """Decide the path. ``kernel_problem`` is None when the kernel can run, else why it cannot."""
+def choose(
+    framework: str, path: str | None, kernel_problem: str | None, kernel_name: str, auto_problem: str | None = None
+) -> PathChoice:
+    """Decide the path.
+
+    ``kernel_problem`` is None when the kernel can run, else why it cannot; ``auto_problem`` is a
+    reason to leave the kernel out of automatic selection only (for example the Triton
+    interpreter on CPU tensors, which runs only when asked for).
+    """
     wanted, source = requested_path(path)
     if wanted in ("reference", "chunk"):
         return PathChoice(wanted, source)
+    if wanted is None and kernel_problem is None and auto_problem is not None:
+        kernel_problem = auto_problem
     if kernel_problem is None:
         return PathChoice("kernel", f"{kernel_name}, {source}")
     if wanted == "kernel":

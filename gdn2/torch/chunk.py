@@ -64,7 +64,8 @@ def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path:
     kernel, problem = _kernel_module()
     if problem is None:
         problem = kernel.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
-    return choose("torch", path, problem, "Triton kernel")
+    on_cpu = None if q.device.type == "cuda" else f"tensors on {q.device.type} (the Triton interpreter runs only when forced)"
+    return choose("torch", path, problem, "Triton kernel", on_cpu)
 
 
 def chunk_gdn2(
