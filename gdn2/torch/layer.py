@@ -1,0 +1,338 @@
+"""The GDN-2 token mixer, its inference cache, and a small causal language model, in PyTorch.
+
+``GatedDeltaNet2`` follows the GDN-2 reference layer as flash-linear-attention ships it
+(``fla/layers/gdn2.py``, adapted there from NVlabs/GatedDeltaNet-2): same constructor arguments,
+same parameter names and shapes, same gates. This file is written from that description, not
+copied; differences are listed in the class docstring. ``gdn2.mlx.layer`` is the same model in MLX
+with the same parameter names and shapes, so a safetensors file written here loads there.
+
+Shapes: ``hidden_states`` ``[B, T, hidden_size]``; per head, keys have ``head_dim`` (K) channels
+and values ``head_dim * expand_v`` (V) channels; the recurrent state is ``[B, num_v_heads, K, V]``
+float32; the convolution state of each of q, k, v is ``[B, conv_size - 1, channels]`` (the last
+inputs, oldest first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
+from .chunk import chunk_gdn2, recurrent_gdn2
+
+__all__ = [
+    "GDN2Cache",
+    "ShortConvolution",
+    "GatedRMSNorm",
+    "GatedDeltaNet2",
+    "GatedMLP",
+    "GDN2Block",
+    "GDN2LanguageModel",
+    "save_weights",
+    "load_weights",
+    "load_model",
+    "init_weights",
+    "numpy_weights",
+    "set_numpy_weights",
+]
+
+
+@dataclass
+class GDN2Cache:
+    """What one ``GatedDeltaNet2`` carries from one call to the next during inference.
+
+    ``conv_state``: ``(q, k, v)`` convolution states, each ``[B, conv_size - 1, channels]``, or
+    None before the first call (zeros: the sequence starts here). ``recurrent_state``:
+    ``[B, num_v_heads, K, V]`` float32 or None. ``offset``: tokens seen so far.
+    """
+
+    conv_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    recurrent_state: torch.Tensor | None = None
+    offset: int = 0
+
+
+class ShortConvolution(nn.Conv1d):
+    """Causal depthwise convolution over time followed by SiLU (flash-linear-attention's layout).
+
+    Weight ``[channels, 1, kernel_size]``; ``forward(x [B, T, D], state)`` returns ``(y [B, T, D],
+    new_state [B, kernel_size - 1, D])`` where ``state`` holds the previous ``kernel_size - 1``
+    inputs (None: zeros).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False):
+        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias)
+        self.hidden_size = hidden_size
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, D = x.shape
+        width = self.kernel_size[0]
+        if state is None:
+            state = x.new_zeros(B, width - 1, D)
+        joined = torch.cat([state.to(x.dtype), x], dim=1)  # [B, width - 1 + T, D]
+        y = F.conv1d(joined.transpose(1, 2), self.weight, self.bias, groups=D).transpose(1, 2)
+        return F.silu(y), joined[:, joined.shape[1] - (width - 1) :]
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dimension (fla's FusedRMSNormGated)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (x * torch.sigmoid(gate.float())).to(dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (fla's l2norm)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet2(nn.Module):
+    """Gated DeltaNet-2 token mixer: ``[B, T, hidden_size] -> [B, T, hidden_size]``.
+
+    Per token, with ``x`` the input::
+
+        q, k, v = silu(conv(q_proj(x))), silu(conv(k_proj(x))), silu(conv(v_proj(x)))
+        g = -exp(A_log) * softplus(f_proj(x) + dt_bias)       per-channel log decay [H, K]
+        b = sigmoid(b_proj(x))  (x 2 if allow_neg_eigval)       erase gate [H, K]
+        w = sigmoid(w_proj(x))                                 write gate [HV, V]
+        o = GDN-2(l2norm(q), l2norm(k), v, g, b, w)            [HV, V]
+        out = o_proj(rmsnorm(o) * o_norm.weight * sigmoid(g_proj(x)))
+
+    ``f_proj`` and ``g_proj`` are low rank (``hidden -> V -> ...``). With ``num_v_heads`` a
+    multiple of ``num_heads`` (grouped value heads), q, k, g, b of each query-key head are shared
+    by ``num_v_heads // num_heads`` consecutive value heads.
+
+    Args mirror flash-linear-attention's ``GatedDeltaNet2`` (``hidden_size, expand_v, head_dim,
+    num_heads, num_v_heads, use_short_conv, allow_neg_eigval, conv_size, conv_bias, norm_eps``),
+    plus ``chunk_size`` and ``path`` passed to ``chunk_gdn2``. Not (yet) supported: fla's ``mode``
+    (the path is chosen by ``gdn2.paths``), ``safe_gate``, ``attention_mask`` and ``cu_seqlens``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        expand_v: float = 1.0,
+        head_dim: int = 128,
+        num_heads: int = 16,
+        num_v_heads: int | None = None,
+        use_short_conv: bool = True,
+        allow_neg_eigval: bool = False,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        layer_idx: int | None = None,
+        norm_eps: float = 1e-5,
+        chunk_size: int = 64,
+        path: str | None = None,
+    ):
+        super().__init__()
+        self.num_v_heads, self.head_v_dim, self.groups = check_mixer_sizes(
+            hidden_size, expand_v, head_dim, num_heads, num_v_heads, conv_size
+        )
+        self.hidden_size, self.expand_v, self.head_dim, self.num_heads = hidden_size, expand_v, head_dim, num_heads
+        self.use_short_conv, self.allow_neg_eigval = use_short_conv, allow_neg_eigval
+        self.conv_size, self.conv_bias, self.norm_eps = conv_size, conv_bias, norm_eps
+        self.layer_idx, self.chunk_size, self.path = layer_idx, chunk_size, path
+        self.key_dim = num_heads * head_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, conv_bias)
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, conv_bias)
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, conv_bias)
+        # Low-rank decay projection hidden -> V -> key_dim, as in the reference layer.
+        self.f_proj = nn.Sequential(
+            nn.Linear(hidden_size, self.head_v_dim, bias=False),
+            nn.Linear(self.head_v_dim, self.key_dim, bias=False),
+        )
+        self.b_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.w_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        # Decay rate per query-key head in [1, 16], softplus bias so that dt starts in [1e-3, 0.1].
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1, 16)))
+        dt = torch.exp(torch.rand(self.key_dim) * (np.log(0.1) - np.log(0.001)) + np.log(0.001)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.g_proj = nn.Sequential(
+            nn.Linear(hidden_size, self.head_v_dim, bias=False),
+            nn.Linear(self.head_v_dim, self.value_dim, bias=True),
+        )
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: GDN2Cache | None = None,
+    ) -> torch.Tensor:
+        """``hidden_states [B, T, hidden_size] -> [B, T, hidden_size]``.
+
+        With ``cache``, the call continues the sequence the cache holds and updates it in place;
+        calling token by token gives the outputs of one call over the whole sequence.
+        ``attention_mask`` is reserved for padding masks (a later release) and must be None.
+        """
+        if attention_mask is not None:
+            raise NotImplementedError("attention_mask: padding masks are not supported yet; pass None")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states: expected shape [B, T, {self.hidden_size}], received {list(hidden_states.shape)}"
+            )
+        B, T, _ = hidden_states.shape
+        x = hidden_states
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+
+        if self.use_short_conv:
+            conv_q, conv_k, conv_v = cache.conv_state if cache is not None and cache.conv_state else (None,) * 3
+            q, conv_q = self.q_conv1d(self.q_proj(x), conv_q)
+            k, conv_k = self.k_conv1d(self.k_proj(x), conv_k)
+            v, conv_v = self.v_conv1d(self.v_proj(x), conv_v)
+        else:
+            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
+
+        # Gates in float32: the cumulative sums of g downstream need the precision.
+        g = F.softplus(self.f_proj(x).float() + self.dt_bias.float()).view(B, T, H, K)
+        g = -self.A_log.float().exp()[:, None] * g
+        b = torch.sigmoid(self.b_proj(x).float()).view(B, T, H, K)
+        if self.allow_neg_eigval:
+            b = b * 2.0
+        w = torch.sigmoid(self.w_proj(x).float()).view(B, T, HV, V)
+        q = l2_normalize(q.float().view(B, T, H, K))
+        k = l2_normalize(k.float().view(B, T, H, K))
+        v = v.float().view(B, T, HV, V)
+        if self.groups > 1:
+            q, k, g, b = (t.repeat_interleave(self.groups, dim=2) for t in (q, k, g, b))
+
+        state = None if cache is None else cache.recurrent_state
+        if cache is not None and T == 1 and state is not None:
+            o, state = recurrent_gdn2(q, k, v, g, b, w, initial_state=state, output_final_state=True)
+        else:
+            o, state = chunk_gdn2(
+                q, k, v, g, b, w, initial_state=state, output_final_state=cache is not None,
+                chunk_size=self.chunk_size, path=self.path,
+            )
+        if cache is not None:
+            cache.recurrent_state = state
+            cache.conv_state = (conv_q, conv_k, conv_v) if self.use_short_conv else None
+            cache.offset += T
+
+        gate = self.g_proj(x).view(B, T, HV, V)
+        o = self.o_norm(o, gate).reshape(B, T, HV * V).to(hidden_states.dtype)
+        return self.o_proj(o)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GDN2Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = GatedDeltaNet2(**config.mixer_kwargs(), layer_idx=layer_idx)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cache: GDN2Cache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache=cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GDN2LanguageModel(nn.Module):
+    """Causal language model: embeddings, ``num_layers`` GDN-2 blocks, RMSNorm, linear head.
+
+    ``forward(tokens [B, T] integer, cache=None) -> logits [B, T, vocab_size]``. For generation,
+    ``cache = model.make_cache()`` and call with successive pieces of the sequence.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GDN2Block(config, i) for i in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_cache(self) -> list[GDN2Cache]:
+        """A fresh, empty cache: one ``GDN2Cache`` per block."""
+        return [GDN2Cache() for _ in self.layers]
+
+    def forward(self, tokens: torch.Tensor, cache: list[GDN2Cache] | None = None) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected shape [B, T], received {list(tokens.shape)}")
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache: expected {len(self.layers)} entries (one per layer), received {len(cache)}")
+        x = self.embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None if cache is None else cache[i])
+        return self.lm_head(self.norm(x))
+
+
+# ---- weights: numpy in, numpy out, safetensors on disk (shared format with gdn2.mlx.layer) ----
+
+
+def numpy_weights(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every parameter as a float32 numpy array, by its (framework-independent) name."""
+    return {name: p.detach().to("cpu", torch.float32).numpy().copy() for name, p in model.named_parameters()}
+
+
+def set_numpy_weights(model: nn.Module, arrays: dict[str, np.ndarray], source: str = "weights") -> None:
+    """Copy ``{name: array}`` into the model's parameters (names and shapes must match exactly)."""
+    params = dict(model.named_parameters())
+    check_names({name: tuple(p.shape) for name, p in params.items()}, arrays, source)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.dtype))
+
+
+def init_weights(model: nn.Module, seed: int) -> nn.Module:
+    """Set the framework-independent initial weights of ``gdn2.weights.initial_weights``."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    set_numpy_weights(model, initial_weights(shapes, seed), f"initial weights (seed {seed})")
+    return model
+
+
+def save_weights(model: nn.Module, path) -> None:
+    """Write the model's parameters as safetensors (readable by ``gdn2.mlx.layer.load_weights``)."""
+    save_numpy(numpy_weights(model), path, getattr(model, "config", None))
+
+
+def load_weights(model: nn.Module, path) -> nn.Module:
+    """Load a safetensors file written by either framework's ``save_weights``."""
+    arrays, _ = load_numpy(path)
+    set_numpy_weights(model, arrays, str(path))
+    return model
+
+
+def load_model(path) -> GDN2LanguageModel:
+    """Build a ``GDN2LanguageModel`` from the config stored in a checkpoint and load its weights."""
+    arrays, config = load_numpy(path)
+    if config is None:
+        raise ValueError(f"path: {path} holds no gdn2 model config (write it with save_weights of a GDN2LanguageModel)")
+    model = GDN2LanguageModel(config)
+    set_numpy_weights(model, arrays, str(path))
+    return model
