@@ -1,0 +1,141 @@
+"""Argument validation and path selection, in both frameworks."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import pytest
+
+from gdn2 import paths
+from gdn2.spec import random_inputs
+
+FRAMEWORKS = ["torch", "mlx"]
+
+
+def arrays(framework, B=2, T=5, H=2, K=4, V=3, seed=0, dtype="float32"):
+    x = random_inputs(B, T, H, K, V, seed)
+    if framework == "torch":
+        import torch
+
+        make = lambda a, d=dtype: torch.tensor(a, dtype=getattr(torch, d))  # noqa: E731
+    else:
+        import mlx.core as mx
+
+        make = lambda a, d=dtype: mx.array(a, dtype=getattr(mx, d))  # noqa: E731
+    out = {n: make(x[n]) for n in ("q", "k", "v", "g", "b", "w")}
+    out["initial_state"] = make(x["initial_state"], "float32")
+    out["make"] = make
+    return out
+
+
+def api(framework):
+    if framework == "torch":
+        import gdn2.torch as module
+    else:
+        import gdn2.mlx as module
+    return module
+
+
+def call(framework, x, **kwargs):
+    args = {n: x[n] for n in ("q", "k", "v", "g", "b", "w")}
+    args.update(kwargs)
+    return api(framework).chunk_gdn2(**args)
+
+
+# (what to change, a phrase the error must contain)
+BAD_INPUTS = [
+    (lambda x, m: dict(k=m(np.ones((2, 5, 2, 5)))), "k: expected shape [B, T, H, K] = [2, 5, 2, 4]"),
+    (lambda x, m: dict(g=m(np.ones((2, 6, 2, 4)))), "g: expected shape [B, T, H, K]"),
+    (lambda x, m: dict(b=m(np.ones((2, 5, 3, 4)))), "b: expected shape [B, T, H, K]"),
+    (lambda x, m: dict(w=m(np.ones((2, 5, 2, 4)))), "w: expected shape [B, T, H, V] = [2, 5, 2, 3]"),
+    (lambda x, m: dict(v=m(np.ones((1, 5, 2, 3)))), "v: expected shape [B, T, H, V] = [2, 5, 2, 3] (B, T, H from q, V from v), received [1, 5, 2, 3]"),
+    (lambda x, m: dict(q=m(np.ones((2, 5, 2)))), "q: expected 4 dimensions"),
+    (lambda x, m: dict(w=m(np.ones((2, 5, 2, 3)), "float16")), "w: expected dtype float32 (the dtype of q), received float16"),
+    (lambda x, m: dict(initial_state=m(np.ones((2, 2, 4, 4)), "float32")), "initial_state: expected shape [B, H, K, V] = [2, 2, 4, 3]"),
+    (lambda x, m: dict(initial_state=m(np.ones((2, 2, 4, 3)), "float16")), "initial_state: expected dtype float32, received float16"),
+    (lambda x, m: dict(chunk_size=0), "chunk_size: expected an integer >= 1, received 0"),
+    (lambda x, m: dict(chunk_size=2.5), "chunk_size: expected an integer >= 1"),
+    (lambda x, m: dict(scale=0.0), "scale: expected a finite number > 0, received 0.0"),
+    (lambda x, m: dict(scale=float("nan")), "scale: expected a finite number > 0"),
+    (lambda x, m: dict(scale=-1.0), "scale: expected a finite number > 0"),
+    (lambda x, m: dict(path="fast"), "path: expected one of reference, chunk, kernel"),
+]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
+def test_bad_input_names_argument_expected_and_received(framework, case):
+    x = arrays(framework)
+    change, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError) as error:
+        call(framework, x, **change(x, x["make"]))
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_integer_input_is_rejected(framework):
+    x = arrays(framework)
+    bad = x["make"](np.ones((2, 5, 2, 4)), "int32")
+    with pytest.raises(ValueError, match="q: expected a floating dtype"):
+        call(framework, dict(x, q=bad))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_recurrent_validates_too(framework):
+    x = arrays(framework)
+    args = {n: x[n] for n in ("q", "k", "v", "g", "b", "w")}
+    args["v"] = x["make"](np.ones((2, 5, 2, 7)))
+    with pytest.raises(ValueError, match="w: expected shape"):
+        api(framework).recurrent_gdn2(**args)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_path_report_and_environment(framework, monkeypatch):
+    x = arrays(framework)
+    args = {n: x[n] for n in ("q", "k", "v", "g", "b", "w")}
+    module = api(framework)
+    monkeypatch.delenv("GDN2_PATH", raising=False)
+    automatic = module.which_path(**args)
+    assert automatic.path == "chunk" and "automatic" in automatic.reason  # no GPU kernel on this machine
+    assert module.which_path(**args, path="reference").path == "reference"
+    monkeypatch.setenv("GDN2_PATH", "reference")
+    assert module.which_path(**args).path == "reference"
+    assert "GDN2_PATH" in module.which_path(**args).reason
+    assert module.which_path(**args, path="chunk").path == "chunk"  # the argument wins
+    monkeypatch.setenv("GDN2_PATH", "turbo")
+    with pytest.raises(ValueError, match="GDN2_PATH: expected one of reference, chunk, kernel, received 'turbo'"):
+        module.which_path(**args)
+
+
+def test_forced_unavailable_kernel_falls_back_once_with_a_warning(monkeypatch, caplog):
+    """MLX on Linux has no Metal: a forced kernel gives way to the chunk path, warning once."""
+    import mlx.core as mx
+
+    x = arrays("mlx")
+    args = {n: x[n] for n in ("q", "k", "v", "g", "b", "w")}
+    monkeypatch.setattr(paths, "_said", set())
+    monkeypatch.delenv("GDN2_PATH", raising=False)
+    choice = api("mlx").which_path(**args, path="kernel")
+    assert choice.path == "chunk" and "unavailable" in choice.reason
+    with caplog.at_level(logging.INFO, logger="gdn2"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forced, _ = call("mlx", x, path="kernel")
+        again, _ = call("mlx", x, path="kernel")
+    fallback_warnings = [w for w in caught if "requested but unavailable" in str(w.message)]
+    assert len(fallback_warnings) == 1
+    reference, _ = call("mlx", x, path="chunk")
+    assert np.allclose(np.array(forced), np.array(reference))
+    assert mx.all(forced == again).item()
+
+
+def test_choice_is_logged_once(monkeypatch, caplog):
+    x = arrays("torch")
+    monkeypatch.setattr(paths, "_said", set())
+    monkeypatch.delenv("GDN2_PATH", raising=False)
+    with caplog.at_level(logging.INFO, logger="gdn2"):
+        call("torch", x)
+        call("torch", x)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gdn2"]
+    assert len(lines) == 1 and lines[0].startswith("gdn2.torch: chunk")
