@@ -1,0 +1,267 @@
+"""Triton backward kernels of the chunked GDN-2 form: the exact adjoint of ``triton_forward``.
+
+Two launches (the equations are those of ``gdn2.chunk.backward``):
+
+* ``state_backward`` (one program per head and block of value columns, reverse over chunks):
+  the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
+  values ``d_U = scale P^T dO + Kd d_leaving``; finally the gradient of the initial state.
+* ``intra_backward`` (one program per chunk and head, parallel): everything else. A loop over
+  value blocks contracts the state-sized terms; then the WY adjoint through the stored inverse,
+  the adjoints of the gated bilinear forms ``A`` and ``P`` (same safe exponents as the forward:
+  window sums on the diagonal 16x16 blocks, anchors off the diagonal) and the reverse cumulative
+  sum that turns the gradient of ``G`` into that of ``g``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_forward import CHUNK, value_block
+
+
+@triton.jit
+def _state_backward_kernel(
+    q, k, G, Wk, P, d_o,  # q, k [B,T,H,K]; G, Wk [B,H,N*C,K]; P [B,H,N,C,C]; d_o [B,T,H,V]
+    d_final, d_leaving, d_U, d_initial,  # [B,H,K,V], [B,H,N,K,V], [B,H,N*C,V], [B,H,K,V]
+    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, C)
+    cols_c = tl.arange(0, C)
+    cols_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    k_ok = cols_k < K
+    v_ok = cols_v < V
+    state_offsets = cols_k[:, None] * V + cols_v[None, :]
+    state_mask = k_ok[:, None] & v_ok[None, :]
+    if HAS_FINAL:
+        d_state = tl.load(d_final + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
+    else:
+        d_state = tl.zeros((BK, BV), dtype=tl.float32)
+    for step in range(N):
+        i_n = N - 1 - step
+        tl.store(d_leaving + (i_bh * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
+        t = i_n * C + rows
+        row_ok = t < T
+        padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
+        key_offsets = i_b * T * H * K + t[:, None] * (H * K) + i_h * K + cols_k[None, :]
+        key_mask = row_ok[:, None] & k_ok[None, :]
+        value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
+        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+
+        G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
+        G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
+        k_to_end = tl.load(k + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_last[None, :] - G_tile)
+        P_tile = tl.load(P + (i_bh * N + i_n) * C * C + rows[:, None] * C + cols_c[None, :])
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(k_to_end, d_state, input_precision=DOT)
+        tl.store(d_U + i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+
+        q_decayed = tl.load(q + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_tile)
+        Wk_tile = tl.load(Wk + padded_k, mask=k_ok[None, :], other=0.0)
+        d_state = (
+            d_state * tl.exp(G_last)[:, None]
+            + tl.dot(tl.trans(q_decayed), d_out, input_precision=DOT)
+            - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
+        )
+    if STORE_INITIAL:
+        tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
+
+
+def state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
+                   num_warps: int = 4) -> None:
+    """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``)."""
+    B, T, H, K = q.shape
+    V = d_o.shape[-1]
+    N = d_leaving.shape[2]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = value_block(V, B * H)
+    _state_backward_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, G, Wk, P, d_o,
+        d_final if d_final is not None else d_leaving, d_leaving, d_U,
+        d_initial if d_initial is not None else d_leaving,
+        scale, T, H, K, V, N, BK=BK, BV=BV, C=CHUNK,
+        HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
+        num_warps=num_warps,
+    )
+
+
+@triton.jit
+def _intra_backward_kernel(
+    q, k, v, g, b, w,  # inputs [B, T, H, K|V]
+    G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,  # saved / from state_backward
+    dq, dk, dv, dg, db, dw,  # outputs, shapes and dtypes of the inputs
+    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, C)
+    cols_c = tl.arange(0, C)
+    cols_k = tl.arange(0, BK)
+    k_ok = cols_k < K
+    t = i_n * C + rows
+    row_ok = t < T
+    chunk_matrix = (i_bh * N + i_n) * C * C + rows[:, None] * C + cols_c[None, :]
+    inverse_tile = tl.load(inverse + chunk_matrix)
+    state_base = (i_bh * N + i_n) * K * V
+
+    # Contractions over the value dimension, one block of columns at a time.
+    d_q_decayed = tl.zeros((C, BK), dtype=tl.float32)  # from o = scale (q exp(G)) S
+    d_k_to_end = tl.zeros((C, BK), dtype=tl.float32)  # from S' = gamma S + Kd^T U
+    d_Wk = tl.zeros((C, BK), dtype=tl.float32)  # from U = Uw - Wk S
+    d_gamma = tl.zeros((BK,), dtype=tl.float32)
+    d_P = tl.zeros((C, C), dtype=tl.float32)
+    d_A = tl.zeros((C, C), dtype=tl.float32)
+    value_in = i_b * T * H * V + i_h * V
+    for v0 in range(0, V, BV):
+        cols_v = v0 + tl.arange(0, BV)
+        v_ok = cols_v < V
+        state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
+        state_mask = k_ok[:, None] & v_ok[None, :]
+        S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
+        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
+        padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
+        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
+        Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0)
+        value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
+        value_mask = row_ok[:, None] & v_ok[None, :]
+        d_out = tl.load(d_o + value_offsets, mask=value_mask, other=0.0).to(tl.float32) * scale
+
+        d_q_decayed += tl.dot(d_out, tl.trans(S), input_precision=DOT)
+        d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
+        d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
+        d_gamma += tl.sum(dS * S, 1)
+        d_P += tl.dot(d_out, tl.trans(U_tile), input_precision=DOT)
+        # Uw = inverse (w v): gradient of w v, then of w and v
+        d_wv = tl.dot(tl.trans(inverse_tile), dU_tile, input_precision=DOT)
+        v_tile = tl.load(v + value_offsets, mask=value_mask, other=0.0).to(tl.float32)
+        w_tile = tl.load(w + value_offsets, mask=value_mask, other=0.0).to(tl.float32)
+        tl.store(dw + value_offsets, (d_wv * v_tile).to(dw.dtype.element_ty), mask=value_mask)
+        tl.store(dv + value_offsets, (d_wv * w_tile).to(dv.dtype.element_ty), mask=value_mask)
+        d_A -= tl.dot(d_wv, tl.trans(Uw_tile), input_precision=DOT)
+
+    # Wk = inverse (b k exp(G)); inverse = (I + A)^{-1}
+    padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
+    Wk_tile = tl.load(Wk + padded_k, mask=k_ok[None, :], other=0.0)
+    d_bk_decayed = tl.dot(tl.trans(inverse_tile), d_Wk, input_precision=DOT)
+    d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
+    d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
+    d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)
+
+    key_in = i_b * T * H * K + i_h * K
+    key_offsets = key_in + t[:, None] * (H * K) + cols_k[None, :]
+    mask = row_ok[:, None] & k_ok[None, :]
+    G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
+    q_tile = tl.load(q + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    k_tile = tl.load(k + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    b_tile = tl.load(b + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    bk = b_tile * k_tile
+    decay = tl.exp(G_tile)
+    G_last = tl.sum(tl.where(rows[:, None] == C - 1, G_tile, 0.0), 0)
+    decay_to_end = tl.exp(G_last[None, :] - G_tile)
+    gamma = tl.exp(G_last)
+
+    d_q = d_q_decayed * decay
+    d_G = d_q_decayed * q_tile * decay
+    d_bk = d_bk_decayed * decay
+    d_G += d_bk_decayed * bk * decay
+    d_k = d_k_to_end * decay_to_end
+    d_G -= d_k_to_end * k_tile * decay_to_end
+    d_G_last = tl.sum(d_k_to_end * k_tile * decay_to_end, 0) + d_gamma * gamma
+
+    # Adjoints of A = pair(bk, k) and P = pair(q, k): off-diagonal blocks through anchors.
+    d_bk_A = tl.zeros((C, BK), dtype=tl.float32)  # left operand of A
+    d_q_P = tl.zeros((C, BK), dtype=tl.float32)  # left operand of P
+    d_k_pair = tl.zeros((C, BK), dtype=tl.float32)  # right operand of both
+    for I in tl.static_range(1, C // 16):
+        anchor = tl.sum(tl.where(rows[:, None] == I * 16 - 1, G_tile, 0.0), 0)
+        in_block = (rows >= I * 16) & (rows < I * 16 + 16)
+        before = rows < I * 16
+        left = tl.exp(tl.where(in_block[:, None], G_tile - anchor[None, :], float("-inf")))
+        right = tl.exp(tl.where(before[:, None], anchor[None, :] - G_tile, float("-inf")))
+        block = in_block[:, None] & before[None, :]
+        d_A_block = tl.where(block, d_A, 0.0)
+        d_P_block = tl.where(block, d_P, 0.0)
+        k_right = k_tile * right
+        d_bk_A += left * tl.dot(d_A_block, k_right, input_precision=DOT)
+        d_q_P += left * tl.dot(d_P_block, k_right, input_precision=DOT)
+        d_k_pair += right * (
+            tl.dot(tl.trans(d_A_block), bk * left, input_precision=DOT)
+            + tl.dot(tl.trans(d_P_block), q_tile * left, input_precision=DOT)
+        )
+
+    # Diagonal blocks, offset by offset: row i pairs with i - d (left adjoint) and with i + d
+    # (right adjoint), inside its 16-row sub-chunk; decays are window sums of g.
+    window_back = tl.zeros((C, BK), dtype=tl.float32)  # g_{i-d+1} + ... + g_i
+    window_ahead = tl.zeros((C, BK), dtype=tl.float32)  # g_{i+1} + ... + g_{i+d}
+    for d in tl.static_range(0, 16):
+        if d > 0:
+            window_back += tl.load(
+                g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
+            ).to(tl.float32)
+            ahead_mask = k_ok[None, :] & (t[:, None] + d < T) & (rows[:, None] + d < C)
+            window_ahead += tl.load(g + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32)
+        has_back = (rows % 16) >= d
+        decay_back = tl.exp(tl.where(has_back[:, None], window_back, float("-inf")))
+        k_back = tl.load(k + key_offsets - d * (H * K), mask=mask & (rows[:, None] >= d), other=0.0).to(tl.float32)
+        k_back = k_back * decay_back
+        on_diagonal = cols_c[None, :] == rows[:, None] - d  # element (i, i - d)
+        d_P_d = tl.sum(tl.where(on_diagonal, d_P, 0.0), 1)
+        d_q_P += d_P_d[:, None] * k_back
+        if d > 0:
+            d_A_d = tl.sum(tl.where(on_diagonal, d_A, 0.0), 1)
+            d_bk_A += d_A_d[:, None] * k_back
+
+        has_ahead = (rows % 16) + d < 16
+        decay_ahead = tl.exp(tl.where(has_ahead[:, None], window_ahead, float("-inf")))
+        ahead_mask = k_ok[None, :] & (t[:, None] + d < T) & has_ahead[:, None]
+        q_ahead = tl.load(q + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32)
+        below_diagonal = rows[:, None] == cols_c[None, :] + d  # element (j + d, j), read by column j
+        d_P_ahead = tl.sum(tl.where(below_diagonal, d_P, 0.0), 0)
+        right_sum = d_P_ahead[:, None] * q_ahead
+        if d > 0:
+            bk_ahead = tl.load(b + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32) * tl.load(
+                k + key_offsets + d * (H * K), mask=ahead_mask, other=0.0
+            ).to(tl.float32)
+            d_A_ahead = tl.sum(tl.where(below_diagonal, d_A, 0.0), 0)
+            right_sum += d_A_ahead[:, None] * bk_ahead
+        d_k_pair += right_sum * decay_ahead
+
+    d_q += d_q_P
+    d_bk += d_bk_A
+    d_k += d_k_pair + d_bk * b_tile
+    d_G += bk * d_bk_A + q_tile * d_q_P - k_tile * d_k_pair
+    d_G += tl.where(rows[:, None] == C - 1, d_G_last[None, :], 0.0)
+    # g = d G / d t: dg_i = sum_{s >= i} dG_s inside the chunk (reverse cumulative sum)
+    d_g = tl.sum(d_G, 0)[None, :] - tl.cumsum(d_G, 0) + d_G
+
+    tl.store(dq + key_offsets, d_q.to(dq.dtype.element_ty), mask=mask)
+    tl.store(dk + key_offsets, d_k.to(dk.dtype.element_ty), mask=mask)
+    tl.store(db + key_offsets, (d_bk * k_tile).to(db.dtype.element_ty), mask=mask)
+    tl.store(dg + key_offsets, d_g.to(dg.dtype.element_ty), mask=mask)
+
+
+def intra_backward(
+    q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
+    dq, dk, dv, dg, db, dw, scale: float, dot_precision: str, num_warps: int = 8,
+) -> None:
+    """Launch the parallel backward over chunks (writes dq, dk, dv, dg, db, dw)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = inverse.shape[2]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    _intra_backward_kernel[(N, B * H)](
+        q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
+        dq, dk, dv, dg, db, dw, scale, T, H, K, V, N,
+        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=num_warps,
+    )
