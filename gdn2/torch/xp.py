@@ -18,7 +18,7 @@ class TorchOps(Ops):
         return torch.cumsum(x, axis)
 
     def transpose(self, x, axes):
-        return x.permute(*axes)
+        return x.permute(*axes).contiguous()
 
     def stack(self, xs, axis):
         return torch.stack(xs, axis)
