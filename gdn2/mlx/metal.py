@@ -48,7 +48,6 @@ compiles the exact source MLX generates with g++ against a shim header and runs 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterator
@@ -292,6 +291,35 @@ def _kernel_function(scale: float, chunk_size: int):
     return gdn2_metal
 
 
+_probed: dict[tuple, str | None] = {}
+
+
+def probe(dtype, H: int, K: int, V: int, T: int, chunk_size: int) -> str | None:
+    """Compile and launch both kernels once, eagerly, for this configuration; None if they ran.
+
+    MLX builds a Metal library at evaluation time, long after ``chunk_gdn2`` returned a lazy
+    graph, so a compile or launch failure would surface in the caller's ``mx.eval``. Launching
+    the very same instantiations (every template argument equal) on one tiny (B=1, T=C) problem
+    here turns that failure into an exception the path selection can catch. Cached per
+    configuration and launcher.
+    """
+    checkpoint = max(1, min(chunk_size, T))
+    key = (str(dtype), H, K, V, checkpoint, launcher, tuple(sorted(_geometry_override.items())))
+    if key not in _probed:
+        try:
+            ones = mx.full((1, checkpoint, H, K), 0.5, dtype=dtype)
+            values = mx.full((1, checkpoint, H, V), 0.5, dtype=dtype)
+            state = mx.zeros((1, H, K, V), dtype=mx.float32)
+            outputs = launcher(forward_launch(ones, ones, values, -ones, ones, values, state, 1.0, chunk_size, True))
+            outputs += launcher(backward_launch(ones, ones, values, -ones, ones, values, values, state, outputs[2],
+                                                1.0, chunk_size))
+            mx.eval(outputs)
+            _probed[key] = None
+        except Exception as error:
+            _probed[key] = f"{type(error).__name__}: {error}"
+    return _probed[key]
+
+
 def chunk_gdn2(q, k, v, g, b, w, scale: float, initial_state, output_final_state: bool, chunk_size: int):
     """GDN-2 on the Metal kernels.
 
@@ -302,6 +330,9 @@ def chunk_gdn2(q, k, v, g, b, w, scale: float, initial_state, output_final_state
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    failure = probe(q.dtype, H, K, V, T, chunk_size)
+    if failure is not None:
+        raise RuntimeError(f"Metal kernel failed to compile or launch: {failure}")
     state0 = mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)
     o, final_state = _kernel_function(float(scale), int(chunk_size))(q, k, v, g, b, w, state0)
     return o, (final_state if output_final_state else None)

@@ -216,6 +216,7 @@ typedef unsigned int uint;
 typedef unsigned long ulong;
 typedef unsigned short ushort;
 typedef _Float16 half;
+typedef _Float16 float16_t;  // MLX spells half this way in generated signatures
 
 struct uint3 {
   uint x, y, z;
