@@ -25,22 +25,102 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .xp import Ops
 
 
-def to_chunks(ops: Ops, x, chunk_size: int):
-    """``[B, T, H, D]`` -> ``[B, H, N, C, D]``, zero-padding T up to a multiple of C."""
+@dataclass
+class Packing:
+    """Where the tokens of packed sequences (``cu_seqlens``) sit in the chunk layout.
+
+    Each sequence starts a new chunk and its last chunk is zero-padded, so no chunk holds two
+    sequences and the state can restart at a chunk boundary.
+    """
+
+    token_of_slot: np.ndarray  # [chunks * C]; T marks a padding slot (a zero row appended to the input)
+    slot_of_token: np.ndarray  # [T]
+    chunk_ranges: list  # per sequence, (first chunk, end chunk)
+
+    @classmethod
+    def build(cls, cu_seqlens, chunk_size: int) -> "Packing":
+        offsets = [int(x) for x in np.asarray(cu_seqlens.tolist())]
+        T = offsets[-1]
+        token_of_slot, slot_of_token, chunk_ranges = [], np.zeros(T, dtype=np.int64), []
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            first = len(token_of_slot) // chunk_size
+            chunks = -(-(end - start) // chunk_size)
+            slots = np.full(chunks * chunk_size, T, dtype=np.int64)
+            slots[: end - start] = np.arange(start, end)
+            slot_of_token[start:end] = len(token_of_slot) + np.arange(end - start)
+            token_of_slot.extend(slots.tolist())
+            chunk_ranges.append((first, first + chunks))
+        return cls(np.asarray(token_of_slot, dtype=np.int64), slot_of_token, chunk_ranges)
+
+
+def to_chunks(ops: Ops, x, chunk_size: int, packing: Packing | None = None):
+    """``[B, T, H, D]`` -> ``[B, H, N, C, D]``, zero-padding T up to a multiple of C.
+
+    With ``packing`` (B = 1) every sequence is padded to whole chunks of its own.
+    """
     B, T, H, D = x.shape
+    if packing is not None:
+        x = ops.take(ops.pad_time(x, 1), packing.token_of_slot, axis=1)
+        T = x.shape[1]
     N = -(-T // chunk_size)
     if N * chunk_size != T:
         x = ops.pad_time(x, N * chunk_size - T)
     return ops.transpose(x.reshape(B, N, chunk_size, H, D), (0, 3, 1, 2, 4))
 
 
-def from_chunks(ops: Ops, x, T: int):
+def from_chunks(ops: Ops, x, T: int, packing: Packing | None = None):
     """``[B, H, N, C, D]`` -> ``[B, T, H, D]`` (padding dropped)."""
     B, H, N, C, D = x.shape
-    return ops.transpose(x, (0, 2, 3, 1, 4)).reshape(B, N * C, H, D)[:, :T]
+    x = ops.transpose(x, (0, 2, 3, 1, 4)).reshape(B, N * C, H, D)
+    if packing is not None:
+        return ops.take(x, packing.slot_of_token, axis=1)
+    return x[:, :T]
+
+
+def sequence_rows(cu_seqlens):
+    """Index of each packed token in a ``[N, L_max]`` batch (``T`` pads), and back: ``([N * L_max], [T])``."""
+    offsets = [int(x) for x in np.asarray(cu_seqlens.tolist())]
+    T, lengths = offsets[-1], np.diff(offsets)
+    longest = max(int(lengths.max()), 1)
+    padded = np.full((len(lengths), longest), T, dtype=np.int64)
+    packed = np.zeros(T, dtype=np.int64)
+    for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        padded[n, : end - start] = np.arange(start, end)
+        packed[start:end] = n * longest + np.arange(end - start)
+    return padded.reshape(-1), packed
+
+
+def split_sequences(ops: Ops, x, cu_seqlens):
+    """Packed ``[1, T, H, D]`` -> ``[N, L_max, H, D]``, each sequence zero-padded at its end.
+
+    Zero steps at the end (``k = 0``, ``g = 0``) leave the state unchanged, so running a padded
+    batch is exact; paths without native packing use this (differentiable through ``take``).
+    """
+    padded, _ = sequence_rows(cu_seqlens)
+    N = len(cu_seqlens.tolist()) - 1
+    return ops.take(ops.pad_time(x, 1), padded, axis=1).reshape(N, -1, *x.shape[2:])
+
+
+def join_sequences(ops: Ops, y, cu_seqlens):
+    """Inverse of ``split_sequences``: ``[N, L_max, H, D]`` -> ``[1, T, H, D]``."""
+    _, packed = sequence_rows(cu_seqlens)
+    return ops.take(y.reshape(1, -1, *y.shape[2:]), packed, axis=1)
+
+
+def _segments(packing: Packing | None, chunks: int):
+    """(state row, first chunk, end chunk) for each independent run of the recurrence."""
+    if packing is None:
+        return [(None, 0, chunks)]
+    return [(n, first, end) for n, (first, end) in enumerate(packing.chunk_ranges)]
+
+
+def _rows(x, row):
+    return x if row is None else x[row : row + 1]
 
 
 def decay_pairs(ops: Ops, g):
@@ -125,31 +205,34 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
     )
 
 
-def forward(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size: int):
+def forward(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size: int, packing: Packing | None = None):
     """Chunked forward.
 
-    Inputs ``[B, T, H, D]`` in the compute dtype; ``initial_state`` ``[B, H, K, V]`` or None.
-    Returns ``(o [B, T, H, V], final_state [B, H, K, V], states [B, H, N, K, V])`` where ``states``
-    holds the state entering each chunk (what the backward needs).
+    Inputs ``[B, T, H, D]`` in the compute dtype; ``initial_state`` ``[B, H, K, V]`` (``[N, ...]``
+    with ``packing``) or None. Returns ``(o [B, T, H, V], final_state, states [B, H, chunks, K, V])``
+    where ``states`` holds the state entering each chunk (what the backward needs).
     """
     T = q.shape[1]
-    q, k, g, b, v, w = (to_chunks(ops, x, chunk_size) for x in (q, k, g, b, v, w))
+    q, k, g, b, v, w = (to_chunks(ops, x, chunk_size, packing) for x in (q, k, g, b, v, w))
     B, H, N, C, K = q.shape
     intra = intra_chunk(ops, q, k, v, g, b, w)
-    state = initial_state if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
-    states, new_values = [], []
-    for n in range(N):
-        states.append(state)
-        U = intra.Uw[:, :, n] - intra.Wk[:, :, n] @ state
-        new_values.append(U)
-        state = intra.gamma[:, :, n, :, None] * state + mT(intra.Kd[:, :, n]) @ U
+    states, new_values, final_states = [None] * N, [None] * N, []
+    for row, first, end in _segments(packing, N):
+        state = _rows(initial_state, row) if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
+        for n in range(first, end):
+            states[n] = state
+            new_values[n] = intra.Uw[:, :, n] - intra.Wk[:, :, n] @ state
+            state = intra.gamma[:, :, n, :, None] * state + mT(intra.Kd[:, :, n]) @ new_values[n]
+        final_states.append(state)
     states = ops.stack(states, axis=2)
     U = ops.stack(new_values, axis=2)
     o = scale * (intra.Qg @ states + intra.P @ U)
-    return from_chunks(ops, o, T), state, states
+    return from_chunks(ops, o, T, packing), ops.concat(final_states, axis=0), states
 
 
-def backward(ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_state, chunk_size: int):
+def backward(
+    ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_state, chunk_size: int, packing: Packing | None = None
+):
     """Exact adjoint of ``forward``.
 
     ``states`` is forward's third output; ``d_o`` ``[B, T, H, V]``; ``d_final_state``
@@ -157,7 +240,7 @@ def backward(ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_stat
     dtype, inputs shaped ``[B, T, H, D]``.
     """
     T = q.shape[1]
-    q, k, g, b, v, w, d_o = (to_chunks(ops, x, chunk_size) for x in (q, k, g, b, v, w, d_o))
+    q, k, g, b, v, w, d_o = (to_chunks(ops, x, chunk_size, packing) for x in (q, k, g, b, v, w, d_o))
     B, H, N, C, K = q.shape
     intra = intra_chunk(ops, q, k, v, g, b, w)
     U = intra.Uw - intra.Wk @ states
@@ -169,17 +252,22 @@ def backward(ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_stat
     d_U = scale * (mT(intra.P) @ d_o)
 
     # Reverse pass over chunks: d_state is the gradient of the state leaving chunk n.
-    d_state = d_final_state if d_final_state is not None else ops.zeros(states.shape[:2] + states.shape[3:], like=q)
-    d_leaving = [None] * N
-    for n in reversed(range(N)):
-        d_leaving[n] = d_state
-        d_U_n = d_U[:, :, n] + intra.Kd[:, :, n] @ d_state
-        d_state = (
-            intra.gamma[:, :, n, :, None] * d_state
-            + mT(intra.Qg[:, :, n]) @ (scale * d_o[:, :, n])
-            - mT(intra.Wk[:, :, n]) @ d_U_n
-        )
-    d_initial_state = d_state
+    d_leaving, d_initial_states = [None] * N, []
+    for row, first, end in _segments(packing, N):
+        if d_final_state is not None:
+            d_state = _rows(d_final_state, row)
+        else:
+            d_state = ops.zeros((B, H, K, v.shape[-1]), like=q)
+        for n in reversed(range(first, end)):
+            d_leaving[n] = d_state
+            d_U_n = d_U[:, :, n] + intra.Kd[:, :, n] @ d_state
+            d_state = (
+                intra.gamma[:, :, n, :, None] * d_state
+                + mT(intra.Qg[:, :, n]) @ (scale * d_o[:, :, n])
+                - mT(intra.Wk[:, :, n]) @ d_U_n
+            )
+        d_initial_states.append(d_state)
+    d_initial_state = ops.concat(d_initial_states, axis=0)
     d_leaving = ops.stack(d_leaving, axis=2)
 
     # S' = gamma * S + Kd^T U ;  U = Uw - Wk S
@@ -225,21 +313,26 @@ def backward(ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_stat
     before = ops.concat([ops.zeros(kd_terms.shape[:-2] + (1, K), like=q), ops.cumsum(kd_terms, axis=-2)[..., :-1, :]], axis=-2)
     dg = ops.cumsum(d_G, axis=-2, reverse=True) + before + (d_gamma * intra.gamma)[..., None, :]
 
-    grads = (from_chunks(ops, x, T) for x in (dq, dk, dv, dg, db, dw))
+    grads = (from_chunks(ops, x, T, packing) for x in (dq, dk, dv, dg, db, dw))
     return (*grads, d_initial_state)
 
 
-def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state):
+def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, cu_seqlens=None):
     """Token-by-token recurrence in framework ops (the reference path; differentiated by autodiff).
 
-    Inputs ``[B, T, H, D]``; returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
+    Inputs ``[B, T, H, D]``; returns ``(o [B, T, H, V], final_state [B, H, K, V])``. With
+    ``cu_seqlens`` (B = 1) each packed sequence runs alone from its row of ``initial_state``.
     """
     B, T, H, K = q.shape
-    state = initial_state if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
-    outputs = []
-    for t in range(T):
-        decayed = state * ops.exp(g[:, t])[..., None]
-        erased = ops.sum((b[:, t] * k[:, t])[..., None] * decayed, axis=-2)
-        state = decayed + k[:, t][..., None] * (w[:, t] * v[:, t] - erased)[..., None, :]
-        outputs.append(scale * ops.sum(q[:, t][..., None] * state, axis=-2))
-    return ops.stack(outputs, axis=1), state
+    offsets = [0, T] if cu_seqlens is None else [int(x) for x in np.asarray(cu_seqlens.tolist())]
+    outputs, final_states = [], []
+    for row, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        row = None if cu_seqlens is None else row
+        state = _rows(initial_state, row) if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
+        for t in range(start, end):
+            decayed = state * ops.exp(g[:, t])[..., None]
+            erased = ops.sum((b[:, t] * k[:, t])[..., None] * decayed, axis=-2)
+            state = decayed + k[:, t][..., None] * (w[:, t] * v[:, t] - erased)[..., None, :]
+            outputs.append(scale * ops.sum(q[:, t][..., None] * state, axis=-2))
+        final_states.append(state)
+    return ops.stack(outputs, axis=1), ops.concat(final_states, axis=0)

@@ -133,11 +133,14 @@ def default_scale(K: int, scale=None) -> float:
     return float(K) ** -0.5 if scale is None else float(scale)
 
 
-def reference_forward(q, k, v, g, b, w, scale=None, initial_state=None):
+def reference_forward(q, k, v, g, b, w, scale=None, initial_state=None, cu_seqlens=None):
     """Token-by-token GDN-2 in float64.
 
-    Returns ``(o [B, T, H, V], final_state [B, H, K, V])``, both float64.
+    Returns ``(o [B, T, H, V], final_state [B, H, K, V])``, both float64. With ``cu_seqlens``
+    (``[N + 1]`` offsets, B = 1) the state restarts at each sequence and the states have N rows.
     """
+    if cu_seqlens is not None:
+        return _per_sequence(reference_forward, q, k, v, g, b, w, scale, initial_state, cu_seqlens)
     dims = validate(q, k, v, g, b, w, scale, initial_state)
     scale = default_scale(dims.K, scale)
     q, k, v, g, b, w = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, b, w))
@@ -151,12 +154,16 @@ def reference_forward(q, k, v, g, b, w, scale=None, initial_state=None):
     return o, state
 
 
-def reference_backward(q, k, v, g, b, w, d_o, scale=None, initial_state=None, d_final_state=None):
+def reference_backward(q, k, v, g, b, w, d_o, scale=None, initial_state=None, d_final_state=None, cu_seqlens=None):
     """Exact gradients of ``sum(o * d_o) + sum(final_state * d_final_state)``, in float64.
 
     A forward pass keeps every state; a reverse-time pass applies the adjoint of each step.
     Returns a dict with keys q, k, v, g, b, w, initial_state (shapes of the inputs).
     """
+    if cu_seqlens is not None:
+        return _per_sequence(
+            reference_backward, q, k, v, g, b, w, scale, initial_state, cu_seqlens, d_o=d_o, d_final_state=d_final_state
+        )
     dims = validate(q, k, v, g, b, w, scale, initial_state)
     scale = default_scale(dims.K, scale)
     q, k, v, g, b, w, d_o = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, b, w, d_o))
@@ -192,6 +199,34 @@ def reference_backward(q, k, v, g, b, w, d_o, scale=None, initial_state=None, d_
         d_state = d_decayed * decay[..., None]
     grads["initial_state"] = d_state
     return grads
+
+
+def _per_sequence(function, q, k, v, g, b, w, scale, initial_state, cu_seqlens, d_o=None, d_final_state=None):
+    """Run ``function`` (forward, or backward when ``d_o`` is given) on each packed sequence alone."""
+    dims = validate(q, k, v, g, b, w, scale, initial_state, cu_seqlens=cu_seqlens)
+    scale = default_scale(dims.K, scale)
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    rows = (dims.N, dims.H, dims.K, dims.V)
+    states = np.zeros(rows) if initial_state is None else np.asarray(initial_state, np.float64)
+    d_finals = np.zeros(rows) if d_final_state is None else np.asarray(d_final_state, np.float64)
+    inputs = {name: np.asarray(x, np.float64) for name, x in dict(q=q, k=k, v=v, g=g, b=b, w=w).items()}
+    pieces = []
+    for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        piece = {name: x[:, start:end] for name, x in inputs.items()}
+        if d_o is None:
+            if start == end:  # an empty sequence passes its state through
+                pieces.append(dict(o=piece["v"], final_state=states[n : n + 1]))
+                continue
+            o, final_state = function(**piece, scale=scale, initial_state=states[n : n + 1])
+            pieces.append(dict(o=o, final_state=final_state))
+        elif start == end:  # ... and the final state's gradient back
+            pieces.append(dict(piece, initial_state=d_finals[n : n + 1]))
+        else:
+            pieces.append(function(**piece, d_o=np.asarray(d_o, np.float64)[:, start:end], scale=scale,
+                                   initial_state=states[n : n + 1], d_final_state=d_finals[n : n + 1]))
+    joined = {name: np.concatenate([p[name] for p in pieces], axis=0 if name in ("final_state", "initial_state") else 1)
+              for name in pieces[0]}
+    return (joined["o"], joined["final_state"]) if d_o is None else joined
 
 
 def _initial(initial_state, dims: Dims) -> np.ndarray:

@@ -59,6 +59,10 @@ class Ops:
     def concat(self, xs, axis: int):
         raise NotImplementedError
 
+    def take(self, x, index, axis: int):
+        """``x`` indexed along ``axis`` by the integer numpy array ``index``."""
+        raise NotImplementedError
+
 
 class NumpyOps(Ops):
     def exp(self, x):
@@ -80,6 +84,9 @@ class NumpyOps(Ops):
 
     def zeros(self, shape, like):
         return np.zeros(shape, dtype=like.dtype)
+
+    def take(self, x, index, axis):
+        return np.take(x, index, axis)
 
     def pad_time(self, x, extra):
         return np.pad(x, [(0, 0), (0, extra), (0, 0), (0, 0)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from .. import chunk as algorithm
 from ..paths import PathChoice, announce, choose
@@ -24,20 +25,22 @@ def _compute_dtype(x: mx.array) -> mx.Dtype:
     return mx.float64 if x.dtype == mx.float64 else mx.float32
 
 
-@lru_cache(maxsize=None)
-def _chunk_function(scale: float, chunk_size: int):
-    """One ``mx.custom_function`` per (scale, chunk_size): arrays are its only arguments.
+@lru_cache(maxsize=64)
+def _chunk_function(scale: float, chunk_size: int, offsets: tuple[int, ...] | None):
+    """One ``mx.custom_function`` per (scale, chunk_size, packed offsets): arrays are its only arguments.
 
     It returns ``(o, final_state, states)``; ``states`` (the state entering each chunk) is an
     output only so that the vjp receives it, and callers drop it (its cotangent is zero).
     """
+
+    packing = None if offsets is None else algorithm.Packing.build(np.array(offsets), chunk_size)
 
     @mx.custom_function
     def chunk(q, k, v, g, b, w, initial_state):
         dtype = _compute_dtype(q)
         inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
         o, final_state, states = algorithm.forward(
-            mlx_ops, *inputs, scale, initial_state.astype(dtype), chunk_size
+            mlx_ops, *inputs, scale, initial_state.astype(dtype), chunk_size, packing
         )
         return o.astype(q.dtype), final_state.astype(initial_state.dtype), states
 
@@ -49,7 +52,7 @@ def _chunk_function(scale: float, chunk_size: int):
         dtype = states.dtype
         inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
         *grads, d_initial = algorithm.backward(
-            mlx_ops, *inputs, scale, states, d_o.astype(dtype), d_final_state.astype(dtype), chunk_size
+            mlx_ops, *inputs, scale, states, d_o.astype(dtype), d_final_state.astype(dtype), chunk_size, packing
         )
         grads = [grad.astype(x.dtype) for grad, x in zip(grads, (q, k, v, g, b, w))]
         return (*grads, d_initial.astype(initial_state.dtype))
@@ -85,30 +88,39 @@ def chunk_gdn2(
     output_final_state: bool = False,
     chunk_size: int = 64,
     path: str | None = None,
+    cu_seqlens=None,
 ) -> tuple[mx.array, mx.array | None]:
     """Gated DeltaNet-2 over a sequence, differentiable in every input (MLX).
 
     Same arguments, shapes and results as ``gdn2.torch.chunk_gdn2``:
     q, k, g, b ``[B, T, H, K]``; v, w ``[B, T, H, V]``; initial_state ``[B, H, K, V]`` float32
     (float64 with float64 inputs) or None. Returns ``(o [B, T, H, V], final_state or None)``.
-    Works under ``mx.grad``, ``mx.value_and_grad`` and ``mx.compile``.
+    Works under ``mx.grad``, ``mx.value_and_grad`` and ``mx.compile``. ``cu_seqlens``: ``[N + 1]``
+    integer offsets of N sequences packed along T (B = 1), as an mx or numpy array (numpy under
+    ``mx.compile``, where array values cannot be read); the state restarts at each sequence.
     """
-    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size)
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
     scale = default_scale(dims.K, scale)
     choice = which_path(q, k, v, g, b, w, initial_state, chunk_size, path)
     announce("mlx", choice)
     if choice.path == "kernel":
         metal, _ = _metal_module()
         try:
-            return metal.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
+            if cu_seqlens is None:
+                return metal.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
+            # Packed sequences run as a zero-padded batch of N rows (exact: see split_sequences).
+            rows = [algorithm.split_sequences(mlx_ops, x, cu_seqlens) for x in (q, k, v, g, b, w)]
+            o, final_state = metal.chunk_gdn2(*rows, scale, initial_state, output_final_state, chunk_size)
+            return algorithm.join_sequences(mlx_ops, o, cu_seqlens), final_state
         except Exception as error:  # a compile or launch failure gives way to the chunk path
             announce("mlx", PathChoice("chunk", f"Metal kernel failed: {type(error).__name__}: {error}"), True)
     if choice.path == "reference":
-        return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state)
+        return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
     if initial_state is None:
         # Zeros stand in for a missing state; their gradient is computed and dropped.
-        initial_state = mx.zeros((dims.B, dims.H, dims.K, dims.V), dtype=_compute_dtype(q))
-    o, final_state, _ = _chunk_function(scale, chunk_size)(q, k, v, g, b, w, initial_state)
+        initial_state = mx.zeros((dims.N, dims.H, dims.K, dims.V), dtype=_compute_dtype(q))
+    offsets = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
+    o, final_state, _ = _chunk_function(scale, chunk_size, offsets)(q, k, v, g, b, w, initial_state)
     return o, (final_state if output_final_state else None)
 
 
@@ -123,18 +135,19 @@ def recurrent_gdn2(
     initial_state: mx.array | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens=None,
 ) -> tuple[mx.array, mx.array | None]:
     """Token-by-token GDN-2 (same arguments and shapes as ``chunk_gdn2``; ``chunk_size`` unused).
 
     With ``T == 1`` and a state this is the decode step. Differentiated by MLX autodiff.
     """
-    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size)
-    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state)
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
+    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state, cu_seqlens)
 
 
-def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state):
+def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens=None):
     dtype = _compute_dtype(q)
     inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
     state = None if initial_state is None else initial_state.astype(dtype)
-    o, final_state = algorithm.recurrent(mlx_ops, *inputs, scale, state)
+    o, final_state = algorithm.recurrent(mlx_ops, *inputs, scale, state, cu_seqlens)
     return o.astype(q.dtype), (final_state if output_final_state else None)

@@ -31,6 +31,9 @@ class MlxOps(Ops):
     def zeros(self, shape, like):
         return mx.zeros(shape, dtype=like.dtype)
 
+    def take(self, x, index, axis):
+        return mx.take(x, mx.array(index), axis=axis)
+
     def pad_time(self, x, extra):
         return mx.pad(x, [(0, 0), (0, extra), (0, 0), (0, 0)])
 

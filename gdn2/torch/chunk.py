@@ -24,14 +24,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class ChunkGDN2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, b, w, initial_state, scale: float, chunk_size: int):
+    def forward(ctx, q, k, v, g, b, w, initial_state, scale: float, chunk_size: int, packing):
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(q)
         inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
         state = None if initial_state is None else initial_state.to(dtype)
-        o, final_state, states = algorithm.forward(torch_ops, *inputs, scale, state, chunk_size)
+        o, final_state, states = algorithm.forward(torch_ops, *inputs, scale, state, chunk_size, packing)
         ctx.save_for_backward(q, k, v, g, b, w, states)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.scale, ctx.chunk_size, ctx.packing = scale, chunk_size, packing
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         return o.to(q.dtype), final_state
 
@@ -44,11 +44,11 @@ class ChunkGDN2(torch.autograd.Function):
             d_o = torch.zeros(v.shape, dtype=dtype, device=v.device)
         d_final = None if d_final_state is None else d_final_state.to(dtype)
         *grads, d_initial = algorithm.backward(
-            torch_ops, *inputs, ctx.scale, states, d_o.to(dtype), d_final, ctx.chunk_size
+            torch_ops, *inputs, ctx.scale, states, d_o.to(dtype), d_final, ctx.chunk_size, ctx.packing
         )
         grads = [grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g, b, w))]
         d_initial = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
-        return (*grads, d_initial, None, None)
+        return (*grads, d_initial, None, None, None)
 
 
 def _kernel_module():
@@ -80,6 +80,7 @@ def chunk_gdn2(
     output_final_state: bool = False,
     chunk_size: int = 64,
     path: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet-2 over a sequence, differentiable in every input.
 
@@ -93,24 +94,32 @@ def chunk_gdn2(
         output_final_state: also return the state after the last step.
         chunk_size: tokens per chunk of the chunked form.
         path: ``"reference"``, ``"chunk"``, ``"kernel"`` or None (``GDN2_PATH``, else automatic).
+        cu_seqlens: ``[N + 1]`` integer offsets of N sequences packed along T (B must be 1), on
+            q's device; the state restarts at each sequence, and the states have N rows.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the dtype of q; final_state ``[B, H, K, V]``
         float32 (float64 for float64 inputs), or None unless ``output_final_state``.
     """
-    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size)
+    dims = _validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
     scale = default_scale(dims.K, scale)
     choice = which_path(q, k, v, g, b, w, initial_state, chunk_size, path)
     announce("torch", choice)
     if choice.path == "kernel":
         kernel, _ = _kernel_module()
         try:
-            return kernel.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
+            if cu_seqlens is None:
+                return kernel.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
+            # Packed sequences run as a zero-padded batch of N rows (exact: see split_sequences).
+            rows = [algorithm.split_sequences(torch_ops, x, cu_seqlens) for x in (q, k, v, g, b, w)]
+            o, final_state = kernel.chunk_gdn2(*rows, scale, initial_state, output_final_state, chunk_size)
+            return algorithm.join_sequences(torch_ops, o, cu_seqlens), final_state
         except Exception as error:  # a compile or launch failure gives way to the chunk path
             announce("torch", PathChoice("chunk", f"Triton kernel failed: {type(error).__name__}: {error}"), True)
     if choice.path == "reference":
-        return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state)
-    o, final_state = ChunkGDN2.apply(q, k, v, g, b, w, initial_state, scale, chunk_size)
+        return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
+    packing = None if cu_seqlens is None else algorithm.Packing.build(cu_seqlens, chunk_size)
+    o, final_state = ChunkGDN2.apply(q, k, v, g, b, w, initial_state, scale, chunk_size, packing)
     return o, (final_state if output_final_state else None)
 
 
@@ -125,18 +134,25 @@ def recurrent_gdn2(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token GDN-2 (same arguments and shapes as ``chunk_gdn2``; ``chunk_size`` unused).
 
     With ``T == 1`` and a state this is the decode step. Differentiated by autograd.
     """
-    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size)
-    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state)
+    dims = _validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
+    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state, cu_seqlens)
 
 
-def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state):
+def _validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens):
+    if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: expected a tensor on {q.device} (the device of q), received one on {cu_seqlens.device}")
+    return validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
+
+
+def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens=None):
     dtype = _compute_dtype(q)
     inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
     state = None if initial_state is None else initial_state.to(dtype)
-    o, final_state = algorithm.recurrent(torch_ops, *inputs, scale, state)
+    o, final_state = algorithm.recurrent(torch_ops, *inputs, scale, state, cu_seqlens)
     return o.to(q.dtype), (final_state if output_final_state else None)

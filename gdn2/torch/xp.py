@@ -29,6 +29,9 @@ class TorchOps(Ops):
     def zeros(self, shape, like):
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
+    def take(self, x, index, axis):
+        return torch.index_select(x, axis, torch.as_tensor(index, device=x.device))
+
     def pad_time(self, x, extra):
         return F.pad(x, (0, 0, 0, 0, 0, extra))
 
