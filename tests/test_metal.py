@@ -8,12 +8,16 @@ cover the Python orchestration, the ``mx.custom_function`` vjp and the Metal sou
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.metal_harness` under plain `pytest` too
 
 from gdn2 import paths, spec  # noqa: E402
 from gdn2.mlx import metal, metal_source  # noqa: E402
@@ -30,6 +34,7 @@ SHAPES = [
     (2, 13, 1, 32, 24, 5, SMALL),
     (1, 37, 1, 64, 6, 16, SMALL),
     (1, 11, 1, 48, 20, 4, None),
+    (1, 3, 1, 256, 256, 2, None),  # the largest K and V: 8 key channels per lane
     (1, 1, 2, 16, 8, 64, SMALL),
 ]
 TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 2.5e-2}
@@ -224,7 +229,7 @@ def test_unsupported_reasons(monkeypatch, seed):
     assert "float64" in metal.unsupported_reason(*(x.astype(mx.float64) for x in args), None, 64)
 
 
-def spec_outputs(case):
+def api_arguments(case):
     a = case["arrays"]
     return dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], b=a["b"], w=a["w"], initial_state=a["initial_state"])
 
@@ -234,7 +239,7 @@ def test_fallback_when_metal_is_missing_or_fails(monkeypatch, seed):
     import gdn2.mlx as api
 
     case = make_case(1, 6, 1, 16, 8, seed)
-    arguments = dict(spec_outputs(case), output_final_state=True, chunk_size=4, path="kernel")
+    arguments = dict(api_arguments(case), output_final_state=True, chunk_size=4, path="kernel")
     if not mx.metal.is_available():
         with pytest.warns(RuntimeWarning, match="Metal is not available"):
             o, final = api.chunk_gdn2(**arguments)

@@ -14,25 +14,28 @@ so the kernels run one threadgroup per (batch*head, value tile), one simdgroup p
 (key channels spread over the 32 lanes, sums over K by ``simd_sum``), and stage the key-side
 vectors of a block of steps once per threadgroup in threadgroup memory.
 
-Counted per token and head (K = V = 128, 2-byte inputs):
+Counted per token and head (K = V = 128, 2-byte inputs; a multiply-add is 2 FLOP):
 
 * forward: 3 multiply-adds over the [K, V] state (erase read, update, output read) = 6KV = 98
-  kFLOP; bytes moved: inputs 4K + 2V elements + output V = 1.0 kB. Arithmetic intensity about
-  95 FLOP/byte, above the ridge point of every Apple GPU (M1..M4: 2.6-28 TFLOP/s fp32 over
+  kFLOP; bytes moved: inputs 4K + 2V elements and the output V, (4K + 3V) * 2 = 1.8 kB:
+  about 55 FLOP/byte, above the ridge point of every Apple GPU (M1..M4: 2.6-28 TFLOP/s fp32 over
   68-800 GB/s, i.e. 25-40 FLOP/byte), so the scan is compute bound and keeping the state in
-  registers (K*V*4 = 64 kB per head, spread over the simdgroups of the group) is what matters.
-  The chunked WY form would do the same work as matrix products (about 2x the FLOPs at C=64 for
-  the intra-chunk [C, C] terms, plus the triangular inverse) to use simdgroup matrices; on
-  Apple GPUs simdgroup_matrix gives at most ~2x over scalar FMA, so the exact scan is not
-  slower in theory, has no exp(G_i - G_j) factorisation at all (every exponent is one step's
-  g <= 0, so any g in [-20, 0] is exact), and decode (T == 1) is the same kernel with one step.
-* backward: the forward recomputed in two parts. The vjp reruns the forward writing the state
-  entering every chunk of C steps (checkpoints, ``B*H*ceil(T/C)*K*V*4`` bytes, the same as the
-  chunk path keeps); the backward kernel walks the chunks in reverse, replays each from its
-  checkpoint into a per-group scratch (``B*H*C*K*V*4`` bytes, written and read back by the same
-  lane, so it stays in cache for small C) and applies the adjoint of every step: 4 more
-  multiply-adds over the state = 8KV, so fwd+bwd is about 6 + 6 + 14 = 26KV FLOP per token
-  and head, against 18KV for the chunked form; the extra replay buys simplicity and exactness.
+  registers (K*V*4 = 64 kB per head, spread over the simdgroups of the groups) is what matters.
+  The chunked WY form spends about 6KV + 4CK + 4CV FLOP (1.7x at C = 64) to turn the work into
+  matrix products; simdgroup_matrix on Apple GPUs gains well under that over scalar FMA for
+  these small tiles, so the exact scan is a fair first design. It also has no exp(G_i - G_j)
+  factorisation at all: every exponent is one step's g <= 0, so any g in [-20, 0] is exact, and
+  decode (T == 1) is the same kernel with one step and no checkpoints.
+* backward: the vjp reruns the forward writing the state entering every chunk of C steps
+  (checkpoints, ``B*H*ceil(T/C)*K*V*4`` bytes, what the chunk path keeps too; 6KV FLOP); the
+  backward kernel walks the chunks in reverse, replays each from its checkpoint (4KV) into a
+  per-group scratch (``B*H*C*K*V*4`` bytes; each element written and read back by the same
+  lane, so no barrier) and applies the adjoint of every step (about 20KV: recompute D, u, S_t;
+  dq, dS, du, dk, d(bk), dD, dg, the decay). forward+backward is about 36KV FLOP per token and
+  head. The scratch costs 8KV bytes per token (128 kB here), about 4 FLOP/byte if it spills to
+  DRAM: the backward is bandwidth bound unless the scratch of a group (C*K*tile*4 bytes) stays
+  in the GPU caches, so small C is faster here (C = 16: 384 kB per group). Holding sub-chunk
+  states in registers is the known next step.
   Key-side gradients (dq, dk, dg, db) are sums over value columns: lanes sum their columns,
   the group sums its simdgroups in threadgroup memory, and the (few) value tiles are summed by
   MLX (``key_partials`` [4, tiles, B, T, H, K]); no atomics, so results are deterministic.
