@@ -284,3 +284,15 @@ def test_mlx_api_kernel_path_end_to_end(monkeypatch, seed):
     assert "gdn2_backward" in used and "gdn2_forward" in used
     expected = spec.reference_backward(**{n: np.array(a[n], dtype=np.float64) for n in NAMES}, d_o=case["d_o"])
     check("dq (API)", as64(d_q), expected["q"], 2e-5, seed)
+
+
+def test_harness_reports_a_write_out_of_bounds(seed):
+    """Drop the column mask of the final-state write: columns past V spill out of the buffer."""
+    inputs, state, _, _ = small_launches(seed)  # V = 6 with 4-column tiles: 2 padded columns
+    masked = "if (kk < K && j < V) {\n                final_state["
+    assert masked in metal_source.FORWARD_SOURCE
+    source = metal_source.FORWARD_SOURCE.replace(masked, "if (kk < K) {\n                final_state[")
+    with metal.use_geometry(**SMALL):
+        launch = metal.forward_launch(*inputs, state, 0.125, 16, save=False, name="gdn2_forward_unmasked", source=source)
+    with pytest.raises(harness.OutOfBounds, match="final_state"):
+        harness.run_launch(launch, schedules=(0,))

@@ -193,27 +193,49 @@ def compile_source(source: str, sanitize: bool = False) -> ctypes.CDLL:
     return handle
 
 
+class OutOfBounds(HarnessError):
+    """A kernel wrote outside an output buffer (the guard bytes around it changed)."""
+
+
+GUARD_BYTES = 4096
+
+
+def guarded(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A copy of ``raw`` inside a larger block whose guard bytes (before and after) are 0xFF.
+
+    0xFF bytes read as NaN in every float format, so a stray read pollutes the result; a stray
+    write changes a guard byte, which ``run_launch`` reports. Returns (block, view of the data).
+    """
+    block = np.full(raw.nbytes + 2 * GUARD_BYTES, 0xFF, dtype=np.uint8)
+    view = block[GUARD_BYTES : GUARD_BYTES + raw.nbytes].view(raw.dtype).reshape(raw.shape)
+    view[...] = raw
+    return block, view
+
+
 def run_launch(launch, schedules=SCHEDULES, seed: int = 0, source: str | None = None) -> list[np.ndarray]:
     """Run a launch on the CPU under each schedule; return the raw outputs (numpy, by bytes)."""
     source = generated_source(launch) if source is None else source
     library = compile_source(source)
-    inputs = [to_raw(x) for x in launch.inputs]
+    inputs = [guarded(to_raw(x)) for x in launch.inputs]
     results = []
     for schedule in schedules:
         outputs = []
         for shape, dtype in zip(launch.output_shapes, launch.output_dtypes):
             raw = np.empty(shape, dtype=_MX_TO_NP_RAW[dtype])
             raw.view(np.uint8)[...] = 0xFF  # NaN in every float format: unwritten outputs show
-            outputs.append(raw)
+            outputs.append(guarded(raw))
         pointers = (ctypes.c_void_p * (len(inputs) + len(outputs)))(
-            *[a.ctypes.data for a in inputs], *[a.ctypes.data for a in outputs])
+            *[view.ctypes.data for _, view in inputs], *[view.ctypes.data for _, view in outputs])
         grid = (ctypes.c_uint * 3)(*launch.grid)
         threadgroup = (ctypes.c_uint * 3)(*launch.threadgroup)
         error = ctypes.create_string_buffer(1024)
         status = library.harness_launch(pointers, grid, threadgroup, schedule, seed, error, len(error))
         if status != 0:
             raise HarnessError(f"{launch.name}: {error.value.decode()}")
-        results.append(outputs)
+        for name, (block, _) in zip(launch.input_names + launch.output_names, inputs + outputs):
+            if np.any(block[:GUARD_BYTES] != 0xFF) or np.any(block[-GUARD_BYTES:] != 0xFF):
+                raise OutOfBounds(f"{launch.name}: a write landed just outside buffer {name}")
+        results.append([view.copy() for _, view in outputs])
     for schedule, outputs in zip(schedules[1:], results[1:]):
         for name, first, other in zip(launch.output_names, results[0], outputs):
             if not np.array_equal(first, other):
