@@ -1,0 +1,516 @@
+"""Training the GDN-2 language model in PyTorch or MLX on the same data, and comparing the two.
+
+Everything here that decides *what* is learned is numpy and framework-neutral: the tasks (MQAR,
+character-level text), the batches (drawn from one seed), the initial weights
+(``gdn2.weights.initial_weights``), the learning-rate schedule. Only the training step is
+framework-specific (``TorchTrainer``, ``MLXTrainer``, each importing its framework lazily), so a
+torch run and an MLX run with the same seed start from the same model and see the same batches.
+
+Outputs of a run: ``loss.csv`` (step, loss, learning rate, seconds, held-out metrics where
+evaluated), ``loss.png`` and ``model.safetensors`` (loadable by either framework).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .weights import ModelConfig, initial_weights
+
+IGNORE = -100  # target value of positions that carry no loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: numpy batches of (inputs [B, T] int64, targets [B, T] int64 with IGNORE)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MQARTask:
+    """Multi-query associative recall (Zoology's MQAR, the standard recall test for linear attention).
+
+    A sequence lists ``num_kv_pairs`` key-value pairs, then asks for keys again: after each
+    queried key the model must output its value. Tokens: 0 is unused, keys are
+    ``1 .. vocab_size // 2 - 1``, values ``vocab_size // 2 .. vocab_size - 1``. Layout of one
+    sequence of ``seq_len`` tokens::
+
+        k1 v1 k2 v2 ... kn vn | q1 a1 q2 a2 ...       (q_i drawn from the n keys, a_i its value)
+
+    Loss and accuracy count only the positions of the queried keys (predicting ``a_i``).
+    """
+
+    vocab_size: int = 64
+    seq_len: int = 64
+    num_kv_pairs: int = 8
+    name: str = "mqar"
+
+    def __post_init__(self):
+        num_keys = self.vocab_size // 2 - 1
+        if self.num_kv_pairs < 1 or self.num_kv_pairs > num_keys:
+            raise ValueError(
+                f"num_kv_pairs: expected 1 .. {num_keys} (distinct keys of a vocabulary of {self.vocab_size}), "
+                f"received {self.num_kv_pairs}"
+            )
+        if self.seq_len % 2 or self.seq_len < 2 * self.num_kv_pairs + 2:
+            raise ValueError(
+                f"seq_len: expected an even number >= 2 * num_kv_pairs + 2 = {2 * self.num_kv_pairs + 2}, "
+                f"received {self.seq_len}"
+            )
+
+    def batch(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        n, T = self.num_kv_pairs, self.seq_len
+        half = self.vocab_size // 2
+        # Distinct keys per sequence: the first n of a random permutation of the key range.
+        keys = np.argsort(rng.random((batch_size, half - 1)), axis=1)[:, :n] + 1
+        values = rng.integers(half, self.vocab_size, (batch_size, n))
+        num_queries = (T - 2 * n) // 2
+        asked = rng.integers(0, n, (batch_size, num_queries))
+        rows = np.arange(batch_size)[:, None]
+        tokens = np.empty((batch_size, T), dtype=np.int64)
+        tokens[:, 0 : 2 * n : 2], tokens[:, 1 : 2 * n : 2] = keys, values
+        tokens[:, 2 * n :: 2], tokens[:, 2 * n + 1 :: 2] = keys[rows, asked], values[rows, asked]
+        targets = np.full((batch_size, T), IGNORE, dtype=np.int64)
+        targets[:, 2 * n :: 2] = tokens[:, 2 * n + 1 :: 2]
+        return tokens, targets
+
+    def describe(self) -> str:
+        return f"MQAR: vocab {self.vocab_size}, {self.num_kv_pairs} key-value pairs, sequences of {self.seq_len}"
+
+
+@dataclass
+class CharTask:
+    """Character-level language modelling on a text: random windows of ``seq_len + 1`` characters.
+
+    The first 90% of the text trains, the last 10% is held out. The vocabulary is the sorted set of
+    characters in the whole text.
+    """
+
+    text: str
+    seq_len: int = 128
+    name: str = "chars"
+    chars: list[str] = field(init=False)
+
+    def __post_init__(self):
+        if len(self.text) < 2 * (self.seq_len + 1) * 10:
+            raise ValueError(
+                f"data: the text has {len(self.text)} characters; at least {20 * (self.seq_len + 1)} are needed "
+                f"for sequences of {self.seq_len} (or lower --seq-len)"
+            )
+        self.chars = sorted(set(self.text))
+        lookup = {c: i for i, c in enumerate(self.chars)}
+        ids = np.array([lookup[c] for c in self.text], dtype=np.int64)
+        split = int(len(ids) * 0.9)
+        self.train_ids, self.heldout_ids = ids[:split], ids[split:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def _windows(self, ids: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        windows = ids[starts[:, None] + np.arange(self.seq_len + 1)]
+        return windows[:, :-1].copy(), windows[:, 1:].copy()
+
+    def batch(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._windows(self.train_ids, rng.integers(0, len(self.train_ids) - self.seq_len - 1, batch_size))
+
+    def heldout(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._windows(self.heldout_ids, rng.integers(0, len(self.heldout_ids) - self.seq_len - 1, count))
+
+    def describe(self) -> str:
+        return f"characters: {len(self.text)} chars, vocabulary {self.vocab_size}, sequences of {self.seq_len}"
+
+
+def heldout_set(task, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed held-out set, drawn from a stream no training batch comes from."""
+    rng = np.random.default_rng([seed, 1_000_003])
+    if isinstance(task, CharTask):
+        return task.heldout(rng, count)
+    return task.batch(rng, count)
+
+
+def training_batches(task, batch_size: int, seed: int):
+    """The endless stream of training batches of a seed (the same for every framework)."""
+    rng = np.random.default_rng([seed, 17])
+    while True:
+        yield task.batch(rng, batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation settings and schedule
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping."""
+
+    steps: int = 1200
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 60
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 200
+    eval_size: int = 512
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+
+# ---------------------------------------------------------------------------------------------
+# Framework-specific training steps
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchTrainer:
+    """A ``gdn2.torch.layer.GDN2LanguageModel`` with torch.optim.AdamW on ``device``."""
+
+    framework = "torch"
+
+    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None):
+        import torch
+
+        from .torch.layer import GDN2LanguageModel, set_numpy_weights
+
+        self.torch = torch
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = GDN2LanguageModel(model_config)
+        set_numpy_weights(self.model, weights, "initial weights")
+        self.model.to(self.device)
+        self.train_config = train
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=train.lr, betas=train.betas, eps=train.eps, weight_decay=train.weight_decay
+        )
+
+    def _loss(self, inputs, targets):
+        torch = self.torch
+        logits = self.model(torch.from_numpy(inputs).to(self.device))
+        targets = torch.from_numpy(targets).to(self.device)
+        return logits, torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE
+        )
+
+    def step(self, inputs: np.ndarray, targets: np.ndarray, lr: float) -> float:
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, loss = self._loss(inputs, targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.train_config.grad_clip > 0:
+            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
+        """``(summed loss, correct predictions, counted positions)`` over one batch."""
+        torch = self.torch
+        self.model.eval()
+        with torch.no_grad():
+            logits = self.model(torch.from_numpy(inputs).to(self.device)).float()
+            targets_t = torch.from_numpy(targets).to(self.device)
+            mask = targets_t != IGNORE
+            loss = torch.nn.functional.cross_entropy(
+                logits[mask], targets_t[mask], reduction="sum"
+            )
+            correct = (logits.argmax(-1)[mask] == targets_t[mask]).sum()
+        return float(loss), int(correct), int(mask.sum())
+
+    def weights(self) -> dict[str, np.ndarray]:
+        from .torch.layer import numpy_weights
+
+        return numpy_weights(self.model)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+
+class MLXTrainer:
+    """A ``gdn2.mlx.layer.GDN2LanguageModel`` with mlx.optimizers.AdamW (bias-corrected, as torch)."""
+
+    framework = "mlx"
+
+    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None):
+        import mlx.core as mx
+        import mlx.nn as nn
+        import mlx.optimizers as optim
+
+        from .mlx.layer import GDN2LanguageModel, set_numpy_weights
+
+        self.mx, self.nn, self.optim = mx, nn, optim
+        if device is not None:
+            if device not in ("cpu", "gpu"):
+                raise ValueError(f"device: expected cpu or gpu for MLX, received {device!r}")
+            mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
+        self.device = str(mx.default_device())
+        self.model = GDN2LanguageModel(model_config)
+        set_numpy_weights(self.model, weights, "initial weights")
+        self.train_config = train
+        self.optimizer = optim.AdamW(
+            learning_rate=train.lr, betas=list(train.betas), eps=train.eps, weight_decay=train.weight_decay,
+            bias_correction=True,
+        )
+        self._loss_and_grad = nn.value_and_grad(self.model, self._loss)
+
+    def _loss(self, inputs, targets):
+        mx = self.mx
+        logits = self.model(inputs).astype(mx.float32)
+        mask = targets != IGNORE
+        losses = self.nn.losses.cross_entropy(logits, mx.where(mask, targets, 0), reduction="none")
+        return mx.sum(losses * mask) / mx.maximum(mx.sum(mask), 1)
+
+    def step(self, inputs: np.ndarray, targets: np.ndarray, lr: float) -> float:
+        mx = self.mx
+        self.model.train()
+        self.optimizer.learning_rate = lr
+        loss, grads = self._loss_and_grad(mx.array(inputs), mx.array(targets))
+        if self.train_config.grad_clip > 0:
+            grads, _ = self.optim.clip_grad_norm(grads, self.train_config.grad_clip)
+        self.optimizer.update(self.model, grads)
+        mx.eval(loss, self.model.parameters(), self.optimizer.state)
+        return float(loss)
+
+    def evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
+        """``(summed loss, correct predictions, counted positions)`` over one batch."""
+        mx = self.mx
+        self.model.eval()
+        logits = self.model(mx.array(inputs)).astype(mx.float32)
+        targets_m = mx.array(targets)
+        mask = targets_m != IGNORE
+        losses = self.nn.losses.cross_entropy(logits, mx.where(mask, targets_m, 0), reduction="none")
+        loss = mx.sum(losses * mask)
+        correct = mx.sum((mx.argmax(logits, axis=-1) == targets_m) * mask)
+        mx.eval(loss, correct)
+        return float(loss), int(correct), int(mx.sum(mask))
+
+    def weights(self) -> dict[str, np.ndarray]:
+        from .mlx.layer import numpy_weights
+
+        return numpy_weights(self.model)
+
+    def synchronize(self) -> None:
+        self.mx.synchronize()
+
+
+def make_trainer(framework: str, model_config: ModelConfig, weights, train: TrainConfig, device: str | None = None):
+    """A ``TorchTrainer`` or an ``MLXTrainer`` starting from ``weights`` ({name: numpy array})."""
+    if framework == "torch":
+        return TorchTrainer(model_config, weights, train, device)
+    if framework == "mlx":
+        return MLXTrainer(model_config, weights, train, device)
+    raise ValueError(f"framework: expected torch or mlx, received {framework!r}")
+
+
+def starting_weights(model_config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """The framework-independent initial weights of a model (names and shapes from a torch-free
+    MLX-free description: built once in whichever framework is importable)."""
+    try:
+        from .torch.layer import GDN2LanguageModel
+
+        model = GDN2LanguageModel(model_config)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    except ImportError:
+        from mlx.utils import tree_flatten
+
+        from .mlx.layer import GDN2LanguageModel as MLXModel
+
+        shapes = {name: tuple(p.shape) for name, p in tree_flatten(MLXModel(model_config).parameters())}
+    return initial_weights(shapes, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    framework: str
+    device: str
+    losses: list[float]
+    step_seconds: list[float]
+    evaluations: list[dict]  # {"step", "loss", "accuracy"} per evaluation
+    wall_seconds: float
+    final: dict  # the last evaluation
+
+    def summary(self) -> str:
+        final = self.final
+        text = (
+            f"{self.framework} ({self.device}): {len(self.losses)} steps in {self.wall_seconds:.1f} s "
+            f"(median step {1000 * float(np.median(self.step_seconds)):.1f} ms); "
+            f"held-out loss {final['loss']:.4f}, accuracy {100 * final['accuracy']:.2f}%"
+        )
+        return text
+
+
+def evaluate(trainer, heldout: tuple[np.ndarray, np.ndarray], batch_size: int) -> dict:
+    """Held-out loss per counted token and accuracy (recall accuracy for MQAR)."""
+    inputs, targets = heldout
+    total_loss = total_correct = total_count = 0
+    for start in range(0, len(inputs), batch_size):
+        loss, correct, count = trainer.evaluate(inputs[start : start + batch_size], targets[start : start + batch_size])
+        total_loss, total_correct, total_count = total_loss + loss, total_correct + correct, total_count + count
+    count = max(total_count, 1)
+    return {"loss": total_loss / count, "accuracy": total_correct / count}
+
+
+def run_training(trainer, task, train: TrainConfig, progress: bool = True, label: str | None = None) -> RunResult:
+    """Train ``trainer`` for ``train.steps`` steps on ``task``; evaluate every ``eval_every`` steps."""
+    from tqdm.auto import tqdm
+
+    heldout = heldout_set(task, train.eval_size, train.seed)
+    batches = training_batches(task, train.batch_size, train.seed)
+    losses, step_seconds, evaluations = [], [], []
+    started = time.perf_counter()
+    bar = tqdm(range(train.steps), desc=label or f"train {trainer.framework}", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        inputs, targets = next(batches)
+        tick = time.perf_counter()
+        loss = trainer.step(inputs, targets, train.lr_at(step))
+        step_seconds.append(time.perf_counter() - tick)
+        if not math.isfinite(loss):
+            bar.close()
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
+        losses.append(loss)
+        last = step + 1 == train.steps
+        if last or (train.eval_every > 0 and (step + 1) % train.eval_every == 0):
+            evaluations.append({"step": step + 1, **evaluate(trainer, heldout, train.batch_size)})
+            bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%")
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%" if evaluations else "-")
+    bar.close()
+    trainer.synchronize()
+    wall = time.perf_counter() - started
+    return RunResult(trainer.framework, str(trainer.device), losses, step_seconds, evaluations, wall, evaluations[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: CSV and PNG
+# ---------------------------------------------------------------------------------------------
+
+
+def write_training_csv(path, result: RunResult, train: TrainConfig) -> None:
+    """Columns: step, loss, lr, step_seconds, heldout_loss, heldout_accuracy (the last two where evaluated)."""
+    by_step = {e["step"]: e for e in result.evaluations}
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", "loss", "lr", "step_seconds", "heldout_loss", "heldout_accuracy"])
+        for i, (loss, seconds) in enumerate(zip(result.losses, result.step_seconds)):
+            e = by_step.get(i + 1)
+            writer.writerow(
+                [i + 1, f"{loss:.6f}", f"{train.lr_at(i):.6g}", f"{seconds:.5f}",
+                 f"{e['loss']:.6f}" if e else "", f"{e['accuracy']:.6f}" if e else ""]
+            )
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def smooth(values, window: int = 20) -> np.ndarray:
+    """Trailing moving average (shorter windows at the start)."""
+    values = np.asarray(values, dtype=np.float64)
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(0, idx - window)
+    return (sums[idx] - sums[lo]) / (idx - lo)
+
+
+def plot_training(path, result: RunResult, title: str) -> None:
+    """Training loss (raw and smoothed) and held-out accuracy against step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    steps = np.arange(1, len(result.losses) + 1)
+    ax.plot(steps, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
+    ax.plot(steps, smooth(result.losses), color="tab:blue", label="loss (moving average)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    if result.evaluations:
+        twin = ax.twinx()
+        twin.plot([e["step"] for e in result.evaluations], [100 * e["accuracy"] for e in result.evaluations],
+                  "o-", color="tab:orange", label="held-out accuracy")
+        twin.set_ylabel("held-out accuracy (%)")
+        twin.set_ylim(0, 100)
+        twin.legend(loc="center right")
+    ax.legend(loc="upper right")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_compare_csv(path, results: list[RunResult]) -> None:
+    """Columns: step, loss of each framework, |difference|, step seconds of each framework."""
+    a, b = results
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", f"loss_{a.framework}", f"loss_{b.framework}", "abs_diff",
+                         f"step_seconds_{a.framework}", f"step_seconds_{b.framework}"])
+        for i, (la, lb, ta, tb) in enumerate(zip(a.losses, b.losses, a.step_seconds, b.step_seconds)):
+            writer.writerow([i + 1, f"{la:.7f}", f"{lb:.7f}", f"{abs(la - lb):.3e}", f"{ta:.5f}", f"{tb:.5f}"])
+
+
+def plot_compare(path, results: list[RunResult], title: str) -> None:
+    """Both loss curves, their per-step absolute difference, and the step times."""
+    plt = _pyplot()
+    a, b = results
+    steps = np.arange(1, len(a.losses) + 1)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].plot(steps, a.losses, label=a.framework)
+    axes[0].plot(steps, b.losses, "--", label=b.framework)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend()
+    diff = np.abs(np.asarray(a.losses) - np.asarray(b.losses))
+    axes[1].semilogy(steps, np.maximum(diff, 1e-12), color="tab:red")
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel(f"|loss {a.framework} - loss {b.framework}|")
+    axes[2].plot(steps, 1000 * np.asarray(a.step_seconds), label=a.framework, alpha=0.8)
+    axes[2].plot(steps, 1000 * np.asarray(b.step_seconds), label=b.framework, alpha=0.8)
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("step time (ms)")
+    axes[2].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def describe_config(model_config: ModelConfig, train: TrainConfig) -> dict:
+    """Everything that defines a run, for logs."""
+    return {"model": asdict(model_config), "train": asdict(train)}
+
+
+def save_run(out_dir, result: RunResult, trainer, train: TrainConfig, model_config: ModelConfig, title: str) -> dict:
+    """Write loss.csv, loss.png and model.safetensors into ``out_dir``; return their paths."""
+    from .weights import save_numpy
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "loss.csv", "png": out / "loss.png", "weights": out / "model.safetensors"}
+    write_training_csv(paths["csv"], result, train)
+    plot_training(paths["png"], result, title)
+    save_numpy(trainer.weights(), paths["weights"], model_config)
+    return paths
