@@ -10,9 +10,10 @@ Time is split into chunks of ``C`` tokens (the last one zero-padded: a step with
     o       = scale * ((q * exp(G)) S + P U)
     S'      = exp(G_last) * S + (k * exp(G_last - G))^T U
 
-Numerics: every exponent above is a pairwise difference ``G_i - G_j <= 0`` (j <= i) or
-``G_i <= 0``, computed as such, so nothing overflows for any ``g <= 0``; the price is the
-``[C, C, K]`` pairwise-decay tensor ``E`` per chunk (``decay_pairs``).
+Numerics: every exponent is a sum of log decays over a span, ``sum_{j < s <= i} g_s <= 0``,
+never ``exp(G_i) * exp(-G_j)``, so nothing overflows for any ``g <= 0``; and each span is summed
+directly rather than as the difference of two long cumulative sums, which in float32 would lose
+the low digits of the exponent. ``PairDecay`` keeps these pairwise decays in blocks.
 
 The backward is the exact adjoint. It keeps only the inputs and the chunk-boundary states from the
 forward and recomputes the in-chunk terms. Gated bilinear forms ``M = pair(X, Y)`` have the
@@ -136,19 +137,92 @@ def decay_pairs(ops: Ops, g):
     return ops.exp(exponent) * ops.tril(C, False, g)[:, :, None]
 
 
-def pair(X, Y, E):
-    """``M[i, j] = sum_c X_ic Y_jc E_ijc``: ``[..., C, C]``."""
-    return (X[..., :, None, :] * Y[..., None, :, :] * E).sum(-1)
+def _blocks(x, blocks: int):
+    """``[..., C, D]`` -> ``[..., blocks, C / blocks, D]``."""
+    return x.reshape(*x.shape[:-2], blocks, x.shape[-2] // blocks, x.shape[-1])
 
 
-def pair_left(dM, Y, E):
-    """Adjoint of ``pair`` in X: ``dX[i, c] = sum_j dM_ij Y_jc E_ijc``."""
-    return (dM[..., None] * Y[..., None, :, :] * E).sum(-2)
+class PairDecay:
+    """The pairwise decays ``E[i, j, c] = exp(sum_{j < s <= i} g_sc)`` (``j <= i``) of a chunk, in
+    blocks, and the three gated bilinear forms built on them.
 
+    Diagonal blocks of ``block`` steps hold E explicitly (``[block, block, K]`` each). An
+    off-diagonal block pair (I > J) factors through the steps between them,
+    ``E_ij = exp(L_i) * exp(between_IJ) * exp(R_j)``, with ``L_i`` the decay from the start of
+    block I to i, ``R_j`` from j to the end of block J, and ``between_IJ`` the blocks strictly in
+    between: every exponent is a sum of log decays (``<= 0`` in normal use, never a difference of
+    two large sums), and those blocks become matrix products. Memory per chunk drops from
+    ``C * C * K`` to about ``C * block * K + (C / block)^2 * block * K``.
+    """
 
-def pair_right(dM, X, E):
-    """Adjoint of ``pair`` in Y: ``dY[j, c] = sum_i dM_ij X_ic E_ijc``."""
-    return (dM[..., None] * X[..., :, None, :] * E).sum(-3)
+    def __init__(self, ops: Ops, g, block: int = 8):
+        C, K = g.shape[-2:]
+        self.blocks = C // block if (C % block == 0 and C > block) else 1
+        self.diagonal = decay_pairs(ops, _blocks(g, self.blocks))  # [..., n, c, c, K]
+        if self.blocks == 1:
+            return
+        n = self.blocks
+        g = _blocks(g, n)
+        self.row_decay = ops.exp(ops.cumsum(g, axis=-2))  # exp(L_i)
+        after = ops.concat([ops.cumsum(g, axis=-2, reverse=True)[..., 1:, :], 0 * g[..., :1, :]], axis=-2)
+        self.col_decay = ops.exp(after)  # exp(R_j)
+        totals = ops.sum(g, axis=-2)  # [..., n, K]
+        strict = ops.tril(n, True, g)
+        inside = strict[:, None, :, None] * mT(strict)[None, :, :, None]  # [I, J, M, 1]: J < M < I
+        between = ops.sum(inside * totals[..., None, None, :, :], axis=-2)  # [..., I, J, K]
+        self.block_decay = ops.exp(between) * strict[:, :, None]  # zero unless I > J
+        self.block_eye = (ops.tril(n, False, g) - strict)[:, :, None, None]
+
+    def _full(self, ops, off_diagonal, diagonal):
+        """Blocks ``[..., I, J, c, c]`` (+ diagonal ``[..., n, c, c]``) -> ``[..., C, C]``."""
+        if self.blocks == 1:
+            blocks = diagonal[..., None, :, :, :]
+        else:
+            blocks = off_diagonal + self.block_eye * diagonal[..., :, None, :, :]
+        n, c = self.blocks, diagonal.shape[-1]
+        axes = tuple(range(blocks.ndim - 4)) + tuple(blocks.ndim - 4 + i for i in (0, 2, 1, 3))
+        return ops.transpose(blocks, axes).reshape(*blocks.shape[:-4], n * c, n * c)
+
+    def _split(self, ops, M):
+        """``[..., C, C]`` -> blocks ``[..., I, J, c, c]`` and the diagonal blocks ``[..., n, c, c]``."""
+        n = self.blocks
+        c = M.shape[-1] // n
+        blocks = M.reshape(*M.shape[:-2], n, c, n, c)
+        axes = tuple(range(blocks.ndim - 4)) + tuple(blocks.ndim - 4 + i for i in (0, 2, 1, 3))
+        blocks = ops.transpose(blocks, axes)
+        if n == 1:
+            return blocks, blocks[..., 0, :, :, :]
+        return blocks, ops.sum(blocks * self.block_eye, axis=-3)
+
+    def pair(self, ops, X, Y):
+        """``M[i, j] = sum_c X_ic Y_jc E_ijc``: ``[..., C, C]`` (zero above the diagonal)."""
+        Xb, Yb = _blocks(X, self.blocks), _blocks(Y, self.blocks)
+        diagonal = (Xb[..., :, None, :] * Yb[..., None, :, :] * self.diagonal).sum(-1)
+        if self.blocks == 1:
+            return self._full(ops, None, diagonal)
+        X_rows = (Xb * self.row_decay)[..., :, None, :, :] * self.block_decay[..., :, :, None, :]  # [I, J, c, K]
+        Y_cols = Yb * self.col_decay
+        return self._full(ops, X_rows @ mT(Y_cols)[..., None, :, :, :], diagonal)
+
+    def left(self, ops, dM, Y):
+        """Adjoint of ``pair`` in X: ``dX[i, c] = sum_j dM_ij Y_jc E_ijc``."""
+        blocks, diagonal = self._split(ops, dM)
+        Yb = _blocks(Y, self.blocks)
+        dX = (diagonal[..., None] * Yb[..., None, :, :] * self.diagonal).sum(-2)
+        if self.blocks > 1:
+            through = (blocks @ (Yb * self.col_decay)[..., None, :, :, :]) * self.block_decay[..., :, :, None, :]
+            dX = dX + ops.sum(through, axis=-3) * self.row_decay
+        return dX.reshape(Y.shape[:-2] + (dX.shape[-3] * dX.shape[-2], Y.shape[-1]))
+
+    def right(self, ops, dM, X):
+        """Adjoint of ``pair`` in Y: ``dY[j, c] = sum_i dM_ij X_ic E_ijc``."""
+        blocks, diagonal = self._split(ops, dM)
+        Xb = _blocks(X, self.blocks)
+        dY = (diagonal[..., None] * Xb[..., :, None, :] * self.diagonal).sum(-3)
+        if self.blocks > 1:
+            through = (mT(blocks) @ (Xb * self.row_decay)[..., :, None, :, :]) * self.block_decay[..., :, :, None, :]
+            dY = dY + ops.sum(through, axis=-4) * self.col_decay
+        return dY.reshape(X.shape[:-2] + (dY.shape[-3] * dY.shape[-2], X.shape[-1]))
 
 
 def mT(x):
@@ -163,7 +237,7 @@ class Intra:
     """In-chunk terms, all ``[B, H, N, ...]``."""
 
     G: object  # cumulative log decay [C, K]
-    E: object  # pairwise decay [C, C, K]
+    decay: PairDecay  # pairwise decays and the gated products on them
     bk: object  # b * k [C, K]
     P: object  # query-key interactions [C, C]
     inverse: object  # (I + A)^{-1} [C, C]
@@ -179,20 +253,20 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
     """Everything that does not depend on the state; parallel over all chunks."""
     C = q.shape[-2]
     G = ops.cumsum(g, axis=-2)
-    E = decay_pairs(ops, g)
+    decay = PairDecay(ops, g)
     # exp(sum_{s > i} g_s), the exponent summed directly for the same reason as in decay_pairs.
     decay_to_end = ops.exp(
         ops.concat([ops.cumsum(g, axis=-2, reverse=True)[..., 1:, :], 0 * g[..., :1, :]], axis=-2)
     )
     bk = b * k
-    A = pair(bk, k, E) * ops.tril(C, True, G)
-    P = pair(q, k, E)
+    A = decay.pair(ops, bk, k) * ops.tril(C, True, G)
+    P = decay.pair(ops, q, k)
     inverse = ops.unit_lower_inverse(A)
     exp_G = ops.exp(G)
     G_last = G[..., C - 1 :, :]
     return Intra(
         G=G,
-        E=E,
+        decay=decay,
         bk=bk,
         P=P,
         inverse=inverse,
@@ -296,10 +370,10 @@ def backward(
     strict = ops.tril(C, True, q)
     d_P_diagonal = ops.sum(d_P * (inclusive - strict), axis=-1)[..., None]  # [C, 1]
     d_P = d_P * strict
-    d_bk_A = pair_left(d_A, k, intra.E)
-    d_k_A = pair_right(d_A, intra.bk, intra.E)
-    d_q_P = pair_left(d_P, k, intra.E)
-    d_k_P = pair_right(d_P, q, intra.E)
+    d_bk_A = intra.decay.left(ops, d_A, k)
+    d_k_A = intra.decay.right(ops, d_A, intra.bk)
+    d_q_P = intra.decay.left(ops, d_P, k)
+    d_k_P = intra.decay.right(ops, d_P, q)
     d_bk = d_bk + d_bk_A
     dq = dq + d_q_P + d_P_diagonal * k
     dk = dk + d_k_A + d_k_P + d_P_diagonal * q + d_bk * b
