@@ -17,14 +17,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import CHUNK, value_block
+from .triton_forward import CHUNK, TUNING, value_block
 
 
 @triton.jit
 def _state_backward_kernel(
     q, k, G, Wk, P, d_o,  # q, k [B,T,H,K]; G, Wk [B,H,N*C,K]; P [B,H,N,C,C]; d_o [B,T,H,V]
     d_final, d_leaving, d_U, d_initial,  # [B,H,K,V], [B,H,N,K,V], [B,H,N*C,V], [B,H,K,V]
-    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -73,8 +73,7 @@ def _state_backward_kernel(
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
 
-def state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
-                   num_warps: int = 4) -> None:
+def state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str) -> None:
     """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``)."""
     B, T, H, K = q.shape
     V = d_o.shape[-1]
@@ -87,7 +86,7 @@ def state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, scal
         d_initial if d_initial is not None else d_leaving,
         scale, T, H, K, V, N, BK=BK, BV=BV, C=CHUNK,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        num_warps=num_warps,
+        num_warps=TUNING["state_warps"], num_stages=1,
     )
 
 
@@ -96,7 +95,7 @@ def _intra_backward_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K|V]
     G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,  # saved / from state_backward
     dq, dk, dv, dg, db, dw,  # outputs, shapes and dtypes of the inputs
-    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -182,7 +181,7 @@ def _intra_backward_kernel(
     d_bk_A = tl.zeros((C, BK), dtype=tl.float32)  # left operand of A
     d_q_P = tl.zeros((C, BK), dtype=tl.float32)  # left operand of P
     d_k_pair = tl.zeros((C, BK), dtype=tl.float32)  # right operand of both
-    for I in tl.static_range(1, C // 16):
+    for I in range(1, C // 16):
         anchor = tl.sum(tl.where(rows[:, None] == I * 16 - 1, G_tile, 0.0), 0)
         in_block = (rows >= I * 16) & (rows < I * 16 + 16)
         before = rows < I * 16
@@ -203,7 +202,7 @@ def _intra_backward_kernel(
     # (right adjoint), inside its 16-row sub-chunk; decays are window sums of g.
     window_back = tl.zeros((C, BK), dtype=tl.float32)  # g_{i-d+1} + ... + g_i
     window_ahead = tl.zeros((C, BK), dtype=tl.float32)  # g_{i+1} + ... + g_{i+d}
-    for d in tl.static_range(0, 16):
+    for d in range(0, 16):
         if d > 0:
             window_back += tl.load(
                 g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
@@ -252,16 +251,16 @@ def _intra_backward_kernel(
 
 def intra_backward(
     q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
-    dq, dk, dv, dg, db, dw, scale: float, dot_precision: str, num_warps: int = 8,
+    dq, dk, dv, dg, db, dw, scale: float, dot_precision: str,
 ) -> None:
     """Launch the parallel backward over chunks (writes dq, dk, dv, dg, db, dw)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = inverse.shape[2]
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
+    BV = min(TUNING["intra_backward_block_v"], max(16, triton.next_power_of_2(V)))
     _intra_backward_kernel[(N, B * H)](
         q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
         dq, dk, dv, dg, db, dw, scale, T, H, K, V, N,
-        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=num_warps,
+        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=TUNING["intra_backward_warps"], num_stages=1,
     )

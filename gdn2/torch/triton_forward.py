@@ -28,7 +28,11 @@ import triton
 import triton.language as tl
 
 CHUNK = 64
-SUB = 16
+
+# Launch settings, chosen by measurement on an H200 (bench/NOTES_triton.md); the benchmark may
+# override them to compare variants.
+TUNING = dict(intra_forward_warps=8, state_warps=8, intra_backward_warps=16, intra_backward_block_v=32,
+              state_min_programs=256)
 
 
 @triton.jit
@@ -36,7 +40,7 @@ def _inverse_unit_lower_16(A):
     """``(I + A)^{-1}`` for a strictly lower 16x16 ``A``, by forward substitution (exact order)."""
     r = tl.arange(0, 16)
     inverse = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in tl.static_range(1, 16):
+    for i in range(1, 16):
         a_row = tl.sum(tl.where(r[:, None] == i, A, 0.0), 0)  # A[i, :] indexed by column j
         update = tl.sum(a_row[:, None] * inverse, 0)  # sum_j A[i, j] inverse[j, :]
         inverse = tl.where(r[:, None] == i, inverse - update[None, :], inverse)
@@ -110,7 +114,7 @@ def _intra_forward_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
     G_out, Wk_out, Uw_out,  # [B, H, N * C, K | K | V] float32
     P_out, inverse_out,  # [B, H, N, C, C] float32
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -139,7 +143,7 @@ def _intra_forward_kernel(
     # 16 I - 1: both exponents are <= 0.
     A = tl.zeros((C, C), dtype=tl.float32)
     P = tl.zeros((C, C), dtype=tl.float32)
-    for I in tl.static_range(1, C // 16):
+    for I in range(1, C // 16):
         anchor = tl.sum(tl.where(rows[:, None] == I * 16 - 1, G, 0.0), 0)
         in_block = (rows >= I * 16) & (rows < I * 16 + 16)
         before = rows < I * 16
@@ -151,7 +155,7 @@ def _intra_forward_kernel(
     # Diagonal 16x16 blocks, one offset d = i - j at a time: exp(G_i - G_{i-d}) is
     # exp(g_{i-d+1} + ... + g_i), a window sum of at most 15 log decays, per channel.
     window = tl.zeros((C, BK), dtype=tl.float32)
-    for d in tl.static_range(0, 16):
+    for d in range(0, 16):
         if d > 0:
             shifted = tl.load(
                 g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
@@ -191,7 +195,7 @@ def _intra_forward_kernel(
         )
 
 
-def intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, dot_precision: str, num_warps: int = 8) -> None:
+def intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, dot_precision: str) -> None:
     """Launch the in-chunk kernel. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated
     (``G, Wk``: ``[B, H, N * 64, K]``, ``Uw``: ``[B, H, N * 64, V]``, ``P, inverse``: ``[B, H, N, 64, 64]``,
     all float32)."""
@@ -202,7 +206,7 @@ def intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, dot_precision: str, n
     BV = min(64, max(16, triton.next_power_of_2(V)))
     _intra_forward_kernel[(N, B * H)](
         q, k, v, g, b, w, G, Wk, Uw, P, inverse, T, H, K, V, N,
-        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=num_warps,
+        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=TUNING["intra_forward_warps"], num_stages=1,
     )
 
 
@@ -210,7 +214,7 @@ def intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, dot_precision: str, n
 def _state_forward_kernel(
     q, k, G, Wk, Uw, P,  # q, k [B, T, H, K]; G, Wk [B, H, N*C, K]; Uw [B, H, N*C, V]; P [B, H, N, C, C]
     initial_state, o, states, U_out, final_state,  # [B,H,K,V], [B,T,H,V], [B,H,N,K,V], [B,H,N*C,V], [B,H,K,V]
-    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -260,13 +264,13 @@ def value_block(V: int, programs_per_block: int) -> int:
     """Columns of V per program in the sequential passes: smaller blocks when there are few heads,
     so that the GPU has enough programs (at least about two per multiprocessor)."""
     block = min(64, max(16, triton.next_power_of_2(V)))
-    while block > 16 and programs_per_block * triton.cdiv(V, block) < 256:
+    while block > 16 and programs_per_block * triton.cdiv(V, block) < TUNING["state_min_programs"]:
         block //= 2
     return block
 
 
 def state_forward(
-    q, k, G, Wk, Uw, P, initial_state, o, states, U, final_state, scale: float, dot_precision: str, num_warps: int = 4
+    q, k, G, Wk, Uw, P, initial_state, o, states, U, final_state, scale: float, dot_precision: str
 ) -> None:
     """Launch the sequential pass over chunks (writes ``o``, ``states``, ``U``, ``final_state``)."""
     B, T, H, K = q.shape
@@ -281,5 +285,5 @@ def state_forward(
         scale, T, H, K, V, N,
         BK=BK, BV=BV, C=CHUNK,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        num_warps=num_warps,
+        num_warps=TUNING["state_warps"], num_stages=1,
     )

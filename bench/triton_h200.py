@@ -1,0 +1,285 @@
+"""gdn2's Triton kernel path against flash-linear-attention's ``chunk_gdn2`` on one GPU.
+
+One run does, in order (every result goes to the JSON file as soon as it exists):
+
+1. correctness on the GPU against the float64 spec (``gdn2.spec``) at small shapes, for gdn2's
+   kernel path and for the peer, with float32 and bfloat16 inputs: output, final state and every
+   gradient (a nonzero gradient flows into the final state);
+2. timing, side by side on the same inputs: forward and forward+backward in bfloat16 at the
+   issue's shapes, and the peak memory of one forward+backward;
+3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first shape.
+
+Usage (on the GPU machine)::
+
+    python bench/triton_h200.py --profile --json results.json
+
+``--no-peer`` times gdn2 alone (the peer needs ``fla`` importable: ``fla-core`` and
+``flash-linear-attention`` 0.6.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gdn2.spec import reference_backward, reference_forward, random_inputs, relative_error  # noqa: E402
+from gdn2.torch import chunk_gdn2  # noqa: E402
+from gdn2.torch.chunk import which_path  # noqa: E402
+
+TIMING_SHAPES = [(8, 4096, 16, 128, 128), (2, 16384, 16, 128, 128), (16, 2048, 32, 64, 64)]
+# (B, T, H, K, V, log decay range): the issue's head sizes, T not a multiple of 64, K != V.
+# The first two are "the small shape" at which both implementations' errors are compared.
+CHECK_SHAPES = [
+    (2, 300, 2, 128, 128, (-3.0, 0.0)),
+    (1, 200, 2, 128, 128, (-20.0, 0.0)),
+    (1, 130, 2, 64, 64, (-20.0, 0.0)),
+    (1, 77, 2, 256, 96, (-20.0, 0.0)),
+    (1, 1, 2, 48, 80, (-20.0, 0.0)),
+]
+# Launch-setting variants of gdn2 timed at the first timing shape (``--variants``).
+VARIANTS = [
+    dict(state_warps=4),
+    dict(intra_backward_warps=8),
+    dict(state_min_programs=512),
+]
+NAMES = ("q", "k", "v", "g", "b", "w")
+
+
+def gdn2_kernel(q, k, v, g, b, w, initial_state=None, output_final_state=False):
+    return chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state, path="kernel")
+
+
+def peer_function():
+    from fla.ops.gdn2 import chunk_gdn2 as fla_chunk_gdn2
+
+    def peer(q, k, v, g, b, w, initial_state=None, output_final_state=False):
+        return fla_chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state)
+
+    return peer
+
+
+def check(function, shape, dtype, seed):
+    """Relative errors against the float64 spec of o, final state and every gradient."""
+    B, T, H, K, V, decay = shape
+    x = random_inputs(B, T, H, K, V, seed, log_decay_range=decay)
+    rng = np.random.default_rng(seed + 1)
+    d_o = rng.standard_normal((B, T, H, V))
+    d_final = rng.standard_normal((B, H, K, V))
+    o_ref, final_ref = reference_forward(**x)
+    grads_ref = reference_backward(**x, d_o=d_o, d_final_state=d_final)
+    tensors = {n: torch.tensor(x[n], dtype=dtype, device="cuda", requires_grad=True) for n in NAMES}
+    initial = torch.tensor(x["initial_state"], dtype=torch.float32, device="cuda", requires_grad=True)
+    o, final_state = function(*(tensors[n] for n in NAMES), initial_state=initial, output_final_state=True)
+    loss = (o.float() * torch.tensor(d_o, dtype=torch.float32, device="cuda")).sum()
+    loss = loss + (final_state.float() * torch.tensor(d_final, dtype=torch.float32, device="cuda")).sum()
+    loss.backward()
+    got = dict(o=o, final_state=final_state, **{f"d{n}": tensors[n].grad for n in NAMES}, dinitial_state=initial.grad)
+    want = dict(o=o_ref, final_state=final_ref, **{f"d{n}": grads_ref[n] for n in NAMES},
+                dinitial_state=grads_ref["initial_state"])
+    errors = {}
+    for name, value in got.items():
+        errors[name] = math.inf if value is None else relative_error(value.detach().double().cpu().numpy(), want[name])
+    return errors
+
+
+def timing_inputs(B, T, H, K, V, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, device="cuda", generator=gen)
+
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen))
+    b, w = rand(B, T, H, K), rand(B, T, H, V)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, b, w)]
+
+
+def bench_ms(fn, rep_ms=400):
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median"))
+
+
+def time_one(function, shape, dtype=torch.bfloat16):
+    inputs = timing_inputs(*shape, dtype)
+    d_o = torch.randn_like(inputs[2])
+
+    def forward():
+        with torch.no_grad():
+            function(*inputs)
+
+    def forward_backward():
+        for x in inputs:
+            x.grad = None
+        o, _ = function(*inputs)
+        o.backward(d_o)
+
+    forward_backward()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    fwd = bench_ms(forward)
+    fwd_bwd = bench_ms(forward_backward)
+    for x in inputs:
+        x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    forward_backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return dict(fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, peak_gib=peak / 2**30, peak_over_inputs_gib=(peak - base) / 2**30)
+
+
+def profile_one(function, shape, iterations=5, dtype=torch.bfloat16):
+    """Per-kernel GPU time (ms per forward+backward) from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = timing_inputs(*shape, dtype)
+    d_o = torch.randn_like(inputs[2])
+
+    def step():
+        for x in inputs:
+            x.grad = None
+        o, _ = function(*inputs)
+        o.backward(d_o)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append((event.key, device_us / 1000 / iterations, event.count // iterations))
+    rows.sort(key=lambda r: -r[1])
+    return [dict(kernel=name[:90], ms=round(ms, 4), calls=calls) for name, ms, calls in rows[:25]]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default="triton_h200.json")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--variants", action="store_true", help="time gdn2 launch-setting variants")
+    parser.add_argument("--shapes", default="0,1,2", help="indices into the timing shapes")
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    args = parser.parse_args()
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, seed=args.seed,
+                  dot=os.environ.get("GDN2_TRITON_DOT", "tf32"))
+    import triton
+
+    result["triton"] = triton.__version__
+    implementations = {"gdn2": gdn2_kernel}
+    if not args.no_peer:
+        import fla
+
+        result["fla"] = fla.__version__
+        implementations["fla"] = peer_function()
+
+    def save():
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+    probe = [torch.zeros(1, 1, 1, 8, device="cuda")] * 6
+    result["path"] = str(which_path(*probe, path="kernel"))
+    print("gdn2 path:", result["path"], flush=True)
+
+    if not args.no_check:
+        result["check"] = []
+        for name, function in implementations.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                for i, shape in enumerate(CHECK_SHAPES):
+                    if (name == "fla" or dtype == torch.bfloat16) and i > 1:
+                        continue  # the peer's error at the issue's small shape (and strong decay)
+                    try:
+                        errors = check(function, shape, dtype, args.seed + i)
+                    except Exception as error:  # report, keep going
+                        errors = {"error": f"{type(error).__name__}: {error}"[:300]}
+                    row = dict(impl=name, dtype=str(dtype).rsplit(".", 1)[-1], shape=list(shape[:5]),
+                               log_decay=list(shape[5]), errors=errors)
+                    worst = max((v for v in errors.values() if isinstance(v, float)), default=math.inf)
+                    row["worst"] = worst
+                    result["check"].append(row)
+                    print(f"check {name:5s} {row['dtype']:9s} {shape[:5]} g{shape[5]}: o {errors.get('o', math.nan):.2e} "
+                          f"worst {worst:.2e} ({max(errors, key=lambda n: errors[n] if isinstance(errors[n], float) else 0)})",
+                          flush=True)
+                    save()
+
+    result["timing"] = []
+    for index in (int(s) for s in args.shapes.split(",") if s):
+        shape = TIMING_SHAPES[index]
+        row = dict(shape=list(shape))
+        for name, function in implementations.items():
+            start = time.time()
+            try:
+                row[name] = time_one(function, shape)
+            except Exception as error:
+                row[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            print(f"time {name:5s} {shape}: {row[name]} ({time.time() - start:.0f} s)", flush=True)
+            torch.cuda.empty_cache()
+        if "fla" in row and "fwd_ms" in row.get("fla", {}) and "fwd_ms" in row["gdn2"]:
+            row["ratio"] = {key: row["gdn2"][key] / row["fla"][key] for key in ("fwd_ms", "fwd_bwd_ms", "peak_gib")}
+        result["timing"].append(row)
+        save()
+
+    if args.profile:
+        result["profile"] = {}
+        for name, function in implementations.items():
+            try:
+                result["profile"][name] = profile_one(function, TIMING_SHAPES[0])
+            except Exception as error:
+                result["profile"][name] = [{"error": f"{type(error).__name__}: {error}"[:300]}]
+            print(f"profile {name} {TIMING_SHAPES[0]} (ms per fwd+bwd):", flush=True)
+            for r in result["profile"][name]:
+                print("   ", r, flush=True)
+            save()
+
+    if args.variants:
+        from gdn2.torch.triton_forward import TUNING
+
+        default = dict(TUNING)
+        result["variants"] = []
+        for variant in VARIANTS:
+            TUNING.update(variant)
+            try:
+                timing = time_one(gdn2_kernel, TIMING_SHAPES[0])
+            except Exception as error:
+                timing = {"error": f"{type(error).__name__}: {error}"[:300]}
+            TUNING.clear()
+            TUNING.update(default)
+            result["variants"].append(dict(variant=variant, **timing))
+            print("variant", variant, timing, flush=True)
+            save()
+
+    print("\n| shape B,T,H,K=V | gdn2 fwd ms | fla fwd ms | ratio | gdn2 fwd+bwd ms | fla fwd+bwd ms | ratio "
+          "| gdn2 peak GiB | fla peak GiB | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in result["timing"]:
+        gd, fl, ra = row.get("gdn2", {}), row.get("fla", {}), row.get("ratio", {})
+
+        def f(d, key, digits=3):
+            return f"{d[key]:.{digits}f}" if key in d else "-"
+
+        print(f"| {','.join(map(str, row['shape'][:4]))} | {f(gd, 'fwd_ms')} | {f(fl, 'fwd_ms')} | {f(ra, 'fwd_ms', 2)} "
+              f"| {f(gd, 'fwd_bwd_ms')} | {f(fl, 'fwd_bwd_ms')} | {f(ra, 'fwd_bwd_ms', 2)} "
+              f"| {f(gd, 'peak_gib', 2)} | {f(fl, 'peak_gib', 2)} | {f(ra, 'peak_gib', 2)} |")
+    save()
+
+
+if __name__ == "__main__":
+    main()
