@@ -44,9 +44,9 @@ class MQARTask:
     Loss and accuracy count only the positions of the queried keys (predicting ``a_i``).
     """
 
-    vocab_size: int = 64
-    seq_len: int = 64
-    num_kv_pairs: int = 8
+    vocab_size: int = 128
+    seq_len: int = 128
+    num_kv_pairs: int = 16
     name: str = "mqar"
 
     def __post_init__(self):
@@ -149,17 +149,17 @@ def training_batches(task, batch_size: int, seed: int):
 class TrainConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping."""
 
-    steps: int = 1200
+    steps: int = 500
     batch_size: int = 32
-    lr: float = 3e-3
-    warmup_steps: int = 60
+    lr: float = 1e-2
+    warmup_steps: int = 25
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
-    eval_every: int = 200
+    eval_every: int = 100
     eval_size: int = 512
 
     def lr_at(self, step: int) -> float:
@@ -452,8 +452,11 @@ def plot_training(path, result: RunResult, title: str) -> None:
                   "o-", color="tab:orange", label="held-out accuracy")
         twin.set_ylabel("held-out accuracy (%)")
         twin.set_ylim(0, 100)
-        twin.legend(loc="center right")
-    ax.legend(loc="upper right")
+        lines, labels = ax.get_legend_handles_labels()
+        more_lines, more_labels = twin.get_legend_handles_labels()
+        twin.legend(lines + more_lines, labels + more_labels, loc="lower left")
+    else:
+        ax.legend(loc="lower left")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
