@@ -169,12 +169,26 @@ def profile_one(function, shape, iterations=5, dtype=torch.bfloat16):
     return [dict(kernel=name[:90], ms=round(ms, 4), calls=calls) for name, ms, calls in rows[:25]]
 
 
+def profile(result, implementations, save):
+    result["profile"] = {}
+    for name, function in implementations.items():
+        try:
+            result["profile"][name] = profile_one(function, TIMING_SHAPES[0])
+        except Exception as error:
+            result["profile"][name] = [{"error": f"{type(error).__name__}: {error}"[:300]}]
+        print(f"profile {name} {TIMING_SHAPES[0]} (ms per fwd+bwd):", flush=True)
+        for r in result["profile"][name]:
+            print("   ", r, flush=True)
+        save()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="triton_h200.json")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--check-only", default="", help="e.g. fla:bfloat16 to check one implementation and dtype")
     parser.add_argument("--variants", action="store_true", help="time gdn2 launch-setting variants")
     parser.add_argument("--shapes", default="0,1,2", help="indices into the timing shapes")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
@@ -205,6 +219,8 @@ def main():
             for dtype in (torch.float32, torch.bfloat16):
                 for i, shape in enumerate(CHECK_SHAPES):
                     if (name == "fla" or dtype == torch.bfloat16) and i > 1:
+                        continue
+                    if args.check_only and args.check_only != f"{name}:{str(dtype).rsplit('.', 1)[-1]}":
                         continue  # the peer's error at the small shape (and strong decay)
                     try:
                         errors = check(function, shape, dtype, args.seed + i)
@@ -236,19 +252,12 @@ def main():
             row["ratio"] = {key: row["gdn2"][key] / row["fla"][key] for key in ("fwd_ms", "fwd_bwd_ms", "peak_gib")}
         result["timing"].append(row)
         save()
+        if args.profile and "profile" not in result:
+            profile(result, implementations, save)
 
-    if args.profile:
-        result["profile"] = {}
-        for name, function in implementations.items():
-            try:
-                result["profile"][name] = profile_one(function, TIMING_SHAPES[0])
-            except Exception as error:
-                result["profile"][name] = [{"error": f"{type(error).__name__}: {error}"[:300]}]
-            print(f"profile {name} {TIMING_SHAPES[0]} (ms per fwd+bwd):", flush=True)
-            for r in result["profile"][name]:
-                print("   ", r, flush=True)
-            save()
 
+    if args.profile and "profile" not in result:
+        profile(result, implementations, save)
     if args.variants:
         from gdn2.torch.triton_forward import TUNING
 

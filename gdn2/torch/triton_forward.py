@@ -24,6 +24,9 @@ start, length) table in place of ``n * 64`` and ``T`` (not implemented yet).
 
 from __future__ import annotations
 
+import json
+import os
+
 import triton
 import triton.language as tl
 
@@ -31,8 +34,10 @@ CHUNK = 64
 
 # Launch settings, chosen by measurement on an H200 (bench/NOTES_triton.md); the benchmark may
 # override them to compare variants.
-TUNING = dict(intra_forward_warps=8, state_warps=8, intra_backward_warps=16, intra_backward_block_v=32,
+# (8 warps in the sequential passes and 16 in intra_backward faulted on the H200 with Triton 3.6.)
+TUNING = dict(intra_forward_warps=8, state_warps=4, intra_backward_warps=8, intra_backward_block_v=32,
               state_min_programs=256)
+TUNING.update(json.loads(os.environ.get("GDN2_TRITON_TUNING", "{}")))
 
 
 @triton.jit
