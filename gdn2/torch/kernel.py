@@ -17,12 +17,13 @@ interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 
-from .triton_backward import intra_backward, state_backward
-from .triton_forward import CHUNK, intra_forward, state_forward
+from . import triton_backward, triton_forward
+from .triton_forward import CHUNK
 
 MAX_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,6 +31,21 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernels():
+    """The kernel modules, decorated for the current mode.
+
+    ``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted, from
+    ``TRITON_INTERPRET``; when the variable changed since these modules were imported (a test
+    sets it after another module imported them), they are imported again.
+    """
+    global triton_forward, triton_backward
+    interpreted = type(triton_forward._intra_forward_kernel).__name__ == "InterpretedFunction"
+    if interpreted != _interpreting():
+        triton_forward = importlib.reload(triton_forward)
+        triton_backward = importlib.reload(triton_backward)
+    return triton_forward, triton_backward
 
 
 def _dot_precision(device: torch.device) -> str:
@@ -81,14 +97,15 @@ class TritonGDN2(torch.autograd.Function):
         Uw = torch.empty(B, H, N * CHUNK, V, **f32)
         P = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
         inverse = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
-        intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, precision)
+        forward_kernels, _ = _kernels()
+        forward_kernels.intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, precision)
 
         initial = None if initial_state is None else initial_state.contiguous()
         o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
         states = torch.empty(B, H, N, K, V, **f32)
         U = torch.empty(B, H, N * CHUNK, V, **f32)
         final_state = torch.empty(B, H, K, V, **f32)
-        state_forward(q, k, G, Wk, Uw, P, initial, o, states, U, final_state, scale, precision)
+        forward_kernels.state_forward(q, k, G, Wk, Uw, P, initial, o, states, U, final_state, scale, precision)
 
         ctx.save_for_backward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, states, U)
         ctx.scale = scale
@@ -112,11 +129,12 @@ class TritonGDN2(torch.autograd.Function):
         d_leaving = torch.empty_like(states)
         d_U = torch.empty_like(U)
         d_initial = torch.empty(B, H, K, V, **f32) if ctx.has_initial else None
-        state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
+        _, backward_kernels = _kernels()
+        backward_kernels.state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
 
         dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
         dv, dw = torch.empty_like(v), torch.empty_like(w)
-        intra_backward(
+        backward_kernels.intra_backward(
             q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
             dq, dk, dv, dg, db, dw, ctx.scale, ctx.precision,
         )

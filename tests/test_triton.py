@@ -1,0 +1,197 @@
+"""The Triton kernel path against the float64 spec, run on the CPU by the Triton interpreter.
+
+``triton.jit`` reads ``TRITON_INTERPRET`` when a function is decorated, Triton's own library
+functions (``tl.sum``, ``tl.cumsum``) included, at ``import triton``. So this module imports
+Triton with the variable set (at collection, before any test runs; no other test module imports
+Triton at collection) and then restores the environment, and the tests set the variable only
+while they run (a fixture): set for the whole session it would also send every other module's
+automatic CPU path to the interpreted kernels. ``gdn2.torch.kernel`` re-imports its own kernel
+modules when the variable changed since they were imported (``kernel._kernels``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+_TRITON_IMPORTED_EARLIER = "triton" in sys.modules
+_previous = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+finally:
+    if _previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous
+
+from frameworks import make_case, run_torch, worst_error  # noqa: E402
+
+from gdn2.paths import _said  # noqa: E402
+from gdn2.torch import chunk_gdn2  # noqa: E402
+from gdn2.torch import kernel  # noqa: E402
+from gdn2.spec import reference_backward, reference_forward  # noqa: E402
+from gdn2.torch.chunk import which_path  # noqa: E402
+
+# A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
+kernel_only = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("GDN2_PATH", raising=False)
+    yield
+
+
+# (B, T, H, K, V, log decay range): T = 1, T not a multiple of 64, several chunks, K != V and
+# non-powers of two, the issue's head sizes, log decay down to -20 on every channel.
+SHAPES = [
+    (2, 37, 2, 16, 8, (-20.0, 0.0)),
+    (1, 1, 2, 8, 8, (-20.0, 0.0)),
+    (1, 45, 1, 48, 80, (-3.0, 0.0)),
+    (1, 130, 1, 64, 64, (-20.0, 0.0)),
+    (1, 70, 1, 96, 40, (-20.0, 0.0)),
+    (1, 20, 1, 256, 24, (-20.0, 0.0)),
+    (1, 66, 1, 128, 128, (-3.0, 0.0)),
+]
+
+
+def test_triton_library_is_interpreted():
+    assert type(tl.cumsum).__name__ == "InterpretedFunction", (
+        "triton was imported without TRITON_INTERPRET=1 before tests/test_triton.py "
+        f"(imported earlier: {_TRITON_IMPORTED_EARLIER}); set it in tests/conftest.py before anything imports triton"
+    )
+
+
+def _rounded_case(case, dtype):
+    """The case with its inputs rounded to ``dtype`` and the spec's results recomputed on them,
+    so that a low-precision run is judged on the kernel's arithmetic, not on input rounding."""
+    x = {n: (None if v is None else torch.tensor(v).to(dtype).double().numpy()) for n, v in case["inputs"].items()}
+    if case["inputs"]["initial_state"] is not None:
+        x["initial_state"] = case["inputs"]["initial_state"]
+    o, final_state = reference_forward(**x)
+    grads = reference_backward(**x, d_o=case["d_o"], d_final_state=case["d_final_state"])
+    expected = dict(o=o, final_state=final_state, **{f"d{n}": grads[n] for n in grads})
+    return dict(case, inputs=x, expected=expected)
+
+
+def _inputs(case, dtype, with_state=True):
+    x = case["inputs"]
+    tensors = [torch.tensor(x[n], dtype=dtype) for n in ("q", "k", "v", "g", "b", "w")]
+    state = torch.tensor(x["initial_state"], dtype=torch.float32) if with_state else None
+    return tensors, state
+
+
+@kernel_only
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}g{}".format(*s[:5], s[5][0]))
+def test_kernel_matches_spec_float32(shape, seed, interpreter):
+    """Output, final state and every gradient (with a gradient into the final state)."""
+    B, T, H, K, V, decay = shape
+    case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
+    tensors, state = _inputs(case, torch.float32)
+    assert which_path(*tensors, state, path="kernel").path == "kernel"
+    result = run_torch(case, "float32", path="kernel")
+    assert set(result) == {"o", "final_state", "dq", "dk", "dv", "dg", "db", "dw", "dinitial_state"}
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 1e-4, (seed, name, errors)
+
+
+@kernel_only
+def test_kernel_strong_decay_every_step(seed, interpreter):
+    """Every step decays by at least exp(-10): all finite; everything but dg to 1e-4.
+
+    Known limitation (see bench/NOTES_triton.md): dg has an absolute error of about 2e-5 times
+    the scale of its O(1) terms in the last rows of a chunk; with decay this strong dg itself is
+    ~1e-5, so its relative error reaches ~1e-2 (the chunk path in float32: 3e-7).
+    """
+    case = make_case(1, 70, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
+    result = run_torch(case, "float32", path="kernel")
+    assert all(np.all(np.isfinite(value)) for value in result.values())
+    _, _, errors = worst_error(result, case["expected"])
+    assert max(e for name, e in errors.items() if name != "dg") <= 1e-4, (seed, errors)
+    assert errors["dg"] <= 5e-2, (seed, errors)
+
+
+@kernel_only
+def test_kernel_bfloat16_and_no_initial_state(seed, interpreter):
+    """bfloat16 inputs (float32 accumulation) against the spec on the same, rounded inputs."""
+    case = make_case(1, 50, 2, 32, 24, seed, log_decay_range=(-20.0, 0.0), with_state=False)
+    case = _rounded_case(case, torch.bfloat16)
+    result = run_torch(case, "bfloat16", path="kernel")
+    assert "dinitial_state" not in result
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 2e-2, (seed, name, errors)
+    assert result["o"].dtype == np.float64 and np.abs(result["o"]).max() > 0
+
+
+@kernel_only
+def test_kernel_erase_gate_up_to_two_and_float16(seed, interpreter):
+    case = make_case(1, 40, 1, 16, 16, seed, log_decay_range=(-5.0, 0.0), erase_max=2.0)
+    result = run_torch(case, "float32", path="kernel")
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 1e-4, (seed, name, errors)
+    case = _rounded_case(case, torch.float16)
+    half = run_torch(case, "float16", path="kernel")
+    error, name, errors = worst_error(half, case["expected"])
+    assert error <= 2e-2, (seed, name, errors)
+
+
+@kernel_only
+def test_kernel_output_types_and_no_final_state(seed, interpreter):
+    case = make_case(1, 9, 1, 8, 8, seed, reference=False)
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    o, final_state = chunk_gdn2(q, k, v, g, b, w, initial_state=state, path="kernel")
+    assert final_state is None and o.dtype == torch.bfloat16 and o.shape == (1, 9, 1, 8)
+    o, final_state = chunk_gdn2(q, k, v, g, b, w, initial_state=state, output_final_state=True, path="kernel")
+    assert final_state.dtype == torch.float32 and final_state.shape == (1, 1, 8, 8)
+    assert torch.isfinite(o.float()).all() and o.float().abs().max() > 0
+
+
+@kernel_only
+def test_chunk_size_argument_does_not_change_the_kernel_result(seed, interpreter):
+    case = make_case(1, 30, 1, 8, 8, seed, reference=False)
+    first = run_torch(case, "float32", path="kernel", chunk_size=16)
+    second = run_torch(case, "float32", path="kernel", chunk_size=64)
+    for name in first:
+        np.testing.assert_allclose(first[name], second[name], rtol=0, atol=0)
+
+
+def test_unsupported_reasons(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros(1, 3, 1, 8)
+    assert "Triton needs CUDA or TRITON_INTERPRET=1" in kernel.unsupported_reason(x, x, x, x, x, x, None, 64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel.unsupported_reason(x, x, x, x, x, x, None, 64) is None
+    wide = torch.zeros(1, 3, 1, 300)
+    assert kernel.unsupported_reason(wide, wide, x, wide, wide, x, None, 64) == "K=300 > 256"
+    tall = torch.zeros(1, 3, 1, 260)
+    assert kernel.unsupported_reason(x, x, tall, x, x, tall, None, 64) == "V=260 > 256"
+    double = x.double()
+    assert "float64" in kernel.unsupported_reason(*(double,) * 6, None, 64)
+
+
+def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
+    """Without the interpreter on CPU, a requested kernel gives way to the chunk path, warned once."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN2_PATH", raising=False)
+    _said.clear()
+    case = make_case(1, 20, 1, 8, 8, seed)
+    (q, k, v, g, b, w), state = _inputs(case, torch.float32)
+    choice = which_path(q, k, v, g, b, w, state, path="kernel")
+    assert choice.path == "chunk" and "TRITON_INTERPRET" in choice.reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o1, _ = chunk_gdn2(q, k, v, g, b, w, initial_state=state, path="kernel")
+        o2, _ = chunk_gdn2(q, k, v, g, b, w, initial_state=state, path="kernel")
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "requested but unavailable" in messages[0], messages
+    reference, _ = chunk_gdn2(q, k, v, g, b, w, initial_state=state, path="chunk")
+    torch.testing.assert_close(o1, reference)
+    torch.testing.assert_close(o2, reference)
