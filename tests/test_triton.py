@@ -104,19 +104,14 @@ def test_kernel_matches_spec_float32(shape, seed, interpreter):
 
 
 @kernel_only
-def test_kernel_strong_decay_every_step(seed, interpreter):
-    """Every step decays by at least exp(-10): all finite; everything but dg to 1e-4.
-
-    Known limitation (see bench/NOTES_triton.md): dg has an absolute error of about 2e-5 times
-    the scale of its O(1) terms in the last rows of a chunk; with decay this strong dg itself is
-    ~1e-5, so its relative error reaches ~1e-2 (the chunk path in float32: 3e-7).
-    """
-    case = make_case(1, 70, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
+@pytest.mark.parametrize("T", [64, 70])
+def test_kernel_strong_decay_every_step(T, seed, interpreter):
+    """Every step decays by at least exp(-10): dg is tiny (~1e-5) and must not be swamped by
+    rounding of the O(1) terms that cancel in it (P's diagonal, the k-to-end and last-row terms)."""
+    case = make_case(1, T, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
     result = run_torch(case, "float32", path="kernel")
-    assert all(np.all(np.isfinite(value)) for value in result.values())
-    _, _, errors = worst_error(result, case["expected"])
-    assert max(e for name, e in errors.items() if name != "dg") <= 1e-4, (seed, errors)
-    assert errors["dg"] <= 5e-2, (seed, errors)
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 1e-4, (seed, name, errors)
 
 
 @kernel_only

@@ -174,8 +174,10 @@ def _intra_backward_kernel(
     d_bk = d_bk_decayed * decay
     d_G += d_bk_decayed * bk * decay
     d_k = d_k_to_end * decay_to_end
-    d_G -= d_k_to_end * k_tile * decay_to_end
-    d_G_last = tl.sum(d_k_to_end * k_tile * decay_to_end, 0) + d_gamma * gamma
+    # Kd_i = k_i exp(g_{i+1} + ... + g_last) reaches g_t for t > i, gamma every g_t: these go
+    # straight to dg (below), not into d_G, where they would be a large term at row i and its
+    # opposite in the last row, cancelling only to rounding in the reverse cumulative sum.
+    k_to_end_terms = d_k_to_end * k_tile * decay_to_end
 
     # Adjoints of A = pair(bk, k) and P = pair(q, k): off-diagonal blocks through anchors.
     d_bk_A = tl.zeros((C, BK), dtype=tl.float32)  # left operand of A
@@ -214,9 +216,9 @@ def _intra_backward_kernel(
         k_back = tl.load(k + key_offsets - d * (H * K), mask=mask & (rows[:, None] >= d), other=0.0).to(tl.float32)
         k_back = k_back * decay_back
         on_diagonal = cols_c[None, :] == rows[:, None] - d  # element (i, i - d)
-        d_P_d = tl.sum(tl.where(on_diagonal, d_P, 0.0), 1)
-        d_q_P += d_P_d[:, None] * k_back
         if d > 0:
+            d_P_d = tl.sum(tl.where(on_diagonal, d_P, 0.0), 1)
+            d_q_P += d_P_d[:, None] * k_back
             d_A_d = tl.sum(tl.where(on_diagonal, d_A, 0.0), 1)
             d_bk_A += d_A_d[:, None] * k_back
 
@@ -225,9 +227,10 @@ def _intra_backward_kernel(
         ahead_mask = k_ok[None, :] & (t[:, None] + d < T) & has_ahead[:, None]
         q_ahead = tl.load(q + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32)
         below_diagonal = rows[:, None] == cols_c[None, :] + d  # element (j + d, j), read by column j
-        d_P_ahead = tl.sum(tl.where(below_diagonal, d_P, 0.0), 0)
-        right_sum = d_P_ahead[:, None] * q_ahead
+        right_sum = tl.zeros((C, BK), dtype=tl.float32)
         if d > 0:
+            d_P_ahead = tl.sum(tl.where(below_diagonal, d_P, 0.0), 0)
+            right_sum += d_P_ahead[:, None] * q_ahead
             bk_ahead = tl.load(b + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32) * tl.load(
                 k + key_offsets + d * (H * K), mask=ahead_mask, other=0.0
             ).to(tl.float32)
@@ -235,13 +238,23 @@ def _intra_backward_kernel(
             right_sum += d_A_ahead[:, None] * bk_ahead
         d_k_pair += right_sum * decay_ahead
 
-    d_q += d_q_P
+    # P's diagonal (E_ii = 1) does not depend on G: straight to dq and dk, kept out of d_G, where
+    # its two equal and opposite terms would cancel only to rounding.
+    d_P_diagonal = tl.sum(tl.where(cols_c[None, :] == rows[:, None], d_P, 0.0), 1)
+    d_q += d_q_P + d_P_diagonal[:, None] * k_tile
     d_bk += d_bk_A
-    d_k += d_k_pair + d_bk * b_tile
+    d_k += d_k_pair + d_P_diagonal[:, None] * q_tile + d_bk * b_tile
     d_G += bk * d_bk_A + q_tile * d_q_P - k_tile * d_k_pair
-    d_G += tl.where(rows[:, None] == C - 1, d_G_last[None, :], 0.0)
-    # g = d G / d t: dg_i = sum_{s >= i} dG_s inside the chunk (reverse cumulative sum)
-    d_g = tl.sum(d_G, 0)[None, :] - tl.cumsum(d_G, 0) + d_G
+    # G_i = g_0 + ... + g_i: dg_t = sum_{s >= t} dG_s (reverse cumulative sum), plus the k-to-end
+    # terms of rows before t and gamma's term. Both sums are taken directly, as products with
+    # triangles of ones in exact float32, never as differences of running totals.
+    upper = (cols_c[None, :] >= rows[:, None]).to(tl.float32)
+    strictly_lower = (cols_c[None, :] < rows[:, None]).to(tl.float32)
+    d_g = (
+        tl.dot(upper, d_G, input_precision="ieee")
+        + tl.dot(strictly_lower, k_to_end_terms, input_precision="ieee")
+        + (d_gamma * gamma)[None, :]
+    )
 
     tl.store(dq + key_offsets, d_q.to(dq.dtype.element_ty), mask=mask)
     tl.store(dk + key_offsets, d_k.to(dk.dtype.element_ty), mask=mask)
