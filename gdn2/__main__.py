@@ -124,8 +124,8 @@ def cmd_train(parser, args) -> int:
           f"{model_config.num_heads} heads x {model_config.head_dim}; {train.steps} steps of {train.batch_size}, lr {train.lr}")
     try:
         trainer = make_trainer(args.framework, model_config, starting_weights(model_config, train.seed), train, args.device)
-    except (ValueError, RuntimeError) as error:
-        parser.error(f"--device: {error}")
+    except ValueError as error:
+        parser.error(_as_option(str(error)))
     result = run_training(trainer, task, train, progress=not args.quiet)
     title = f"GDN-2 {args.framework}, {task.describe()}"
     paths = save_run(out, result, trainer, train, model_config, title)
@@ -150,7 +150,10 @@ def cmd_compare(parser, args) -> int:
           f"{task.describe()}, {train.steps} steps, same initial weights and batches")
     results = []
     for framework, device in (("torch", args.torch_device), ("mlx", args.mlx_device)):
-        trainer = make_trainer(framework, model_config, weights, train, device)
+        try:
+            trainer = make_trainer(framework, model_config, weights, train, device)
+        except ValueError as error:
+            parser.error(str(error).replace("device:", f"--{framework}-device:", 1))
         results.append(run_training(trainer, task, train, progress=not args.quiet, label=f"compare {framework}"))
         print("  " + results[-1].summary())
     a, b = results

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -187,7 +187,14 @@ class TorchTrainer:
         from .torch.layer import GDN2LanguageModel, set_numpy_weights
 
         self.torch = torch
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError as error:
+            raise ValueError(f"device: {device!r} is not a torch device ({error})") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} requested but this torch has no usable CUDA device")
+        if self.device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device: {device!r} requested but MPS is not available")
         self.model = GDN2LanguageModel(model_config)
         set_numpy_weights(self.model, weights, "initial weights")
         self.model.to(self.device)
@@ -256,6 +263,8 @@ class MLXTrainer:
         if device is not None:
             if device not in ("cpu", "gpu"):
                 raise ValueError(f"device: expected cpu or gpu for MLX, received {device!r}")
+            if device == "gpu" and not mx.is_available(mx.gpu):
+                raise ValueError("device: gpu requested but this MLX has no GPU backend (Linux builds are CPU-only)")
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.device = str(mx.default_device())
         self.model = GDN2LanguageModel(model_config)
@@ -317,8 +326,11 @@ def make_trainer(framework: str, model_config: ModelConfig, weights, train: Trai
 
 
 def starting_weights(model_config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """The framework-independent initial weights of a model (names and shapes from a torch-free
-    MLX-free description: built once in whichever framework is importable)."""
+    """The framework-independent initial weights of a model, ``{name: float32 array}``.
+
+    The parameter names and shapes come from building the model once in whichever framework is
+    installed (both give the same names); the values from ``gdn2.weights.initial_weights``.
+    """
     try:
         from .torch.layer import GDN2LanguageModel
 
@@ -499,11 +511,6 @@ def plot_compare(path, results: list[RunResult], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def describe_config(model_config: ModelConfig, train: TrainConfig) -> dict:
-    """Everything that defines a run, for logs."""
-    return {"model": asdict(model_config), "train": asdict(train)}
 
 
 def save_run(out_dir, result: RunResult, trainer, train: TrainConfig, model_config: ModelConfig, title: str) -> dict:
