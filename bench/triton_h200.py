@@ -47,8 +47,8 @@ CHECK_SHAPES = [
 ]
 # Launch-setting variants of gdn2 timed at the first timing shape (``--variants``).
 VARIANTS = [
-    dict(state_warps=4),
-    dict(intra_backward_warps=8),
+    dict(intra_backward_blocked=True),
+    dict(intra_backward_blocked=True, blocked_key_block=32),
     dict(state_min_programs=512),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")

@@ -115,6 +115,19 @@ def test_kernel_strong_decay_every_step(T, seed, interpreter):
 
 
 @kernel_only
+def test_key_blocked_backward_variant(seed, interpreter, monkeypatch):
+    """The opt-in key-blocked intra_backward (triton_backward_blocked) against the spec."""
+    forward_kernels, _ = kernel._kernels()
+    monkeypatch.setitem(forward_kernels.TUNING, "intra_backward_blocked", True)
+    for shape in [(2, 37, 2, 16, 8, (-20.0, 0.0)), (1, 70, 1, 48, 80, (-20.0, -10.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))]:
+        B, T, H, K, V, decay = shape
+        case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
+        result = run_torch(case, "float32", path="kernel")
+        error, name, errors = worst_error(result, case["expected"])
+        assert error <= 1e-4, (seed, shape, name, errors)
+
+
+@kernel_only
 def test_kernel_bfloat16_and_no_initial_state(seed, interpreter):
     """bfloat16 inputs (float32 accumulation) against the spec on the same, rounded inputs."""
     case = make_case(1, 50, 2, 32, 24, seed, log_decay_range=(-20.0, 0.0), with_state=False)

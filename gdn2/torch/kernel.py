@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from . import triton_backward, triton_forward
+from . import triton_backward, triton_backward_blocked, triton_forward
 from .triton_forward import CHUNK
 
 MAX_DIM = 256
@@ -40,11 +40,14 @@ def _kernels():
     ``TRITON_INTERPRET``; when the variable changed since these modules were imported (a test
     sets it after another module imported them), they are imported again.
     """
-    global triton_forward, triton_backward
+    global triton_forward, triton_backward, triton_backward_blocked
     interpreted = type(triton_forward._intra_forward_kernel).__name__ == "InterpretedFunction"
     if interpreted != _interpreting():
+        tuning = dict(triton_forward.TUNING)
         triton_forward = importlib.reload(triton_forward)
+        triton_forward.TUNING.update(tuning)
         triton_backward = importlib.reload(triton_backward)
+        triton_backward_blocked = importlib.reload(triton_backward_blocked)
     return triton_forward, triton_backward
 
 
@@ -134,7 +137,10 @@ class TritonGDN2(torch.autograd.Function):
 
         dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
         dv, dw = torch.empty_like(v), torch.empty_like(w)
-        backward_kernels.intra_backward(
+        intra_backward = backward_kernels.intra_backward
+        if triton_forward.TUNING.get("intra_backward_blocked"):
+            intra_backward = triton_backward_blocked.intra_backward_blocked
+        intra_backward(
             q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
             dq, dk, dv, dg, db, dw, ctx.scale, ctx.precision,
         )

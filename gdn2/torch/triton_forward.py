@@ -36,7 +36,9 @@ CHUNK = 64
 # override them to compare variants.
 # (8 warps in the sequential passes and 16 in intra_backward faulted on the H200 with Triton 3.6.)
 TUNING = dict(intra_forward_warps=8, state_warps=4, intra_backward_warps=8, intra_backward_block_v=32,
-              state_min_programs=256)
+              state_min_programs=256,
+              # opt-in, not yet measured on a GPU: the key-blocked intra_backward
+              intra_backward_blocked=False, blocked_key_block=16)
 TUNING.update(json.loads(os.environ.get("GDN2_TRITON_TUNING", "{}")))
 
 
