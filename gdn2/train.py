@@ -499,13 +499,19 @@ def plot_compare(path, results: list[RunResult], title: str) -> None:
     axes[0].set_ylabel("training loss")
     axes[0].legend()
     diff = np.abs(np.asarray(a.losses) - np.asarray(b.losses))
-    axes[1].semilogy(steps, np.maximum(diff, 1e-12), color="tab:red")
+    exact = diff == 0
+    axes[1].semilogy(steps[~exact], diff[~exact], ".", color="tab:red", markersize=4)
+    if exact.any():  # bitwise-equal losses have no place on a log axis: marked along the bottom
+        axes[1].plot(steps[exact], np.full(exact.sum(), diff[~exact].min() if (~exact).any() else 1e-12),
+                     "|", color="tab:gray", label="equal")
+        axes[1].legend()
     axes[1].set_xlabel("step")
     axes[1].set_ylabel(f"|loss {a.framework} - loss {b.framework}|")
     axes[2].plot(steps, 1000 * np.asarray(a.step_seconds), label=a.framework, alpha=0.8)
     axes[2].plot(steps, 1000 * np.asarray(b.step_seconds), label=b.framework, alpha=0.8)
     axes[2].set_xlabel("step")
     axes[2].set_ylabel("step time (ms)")
+    axes[2].set_yscale("log")
     axes[2].legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
