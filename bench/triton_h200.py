@@ -47,8 +47,9 @@ CHECK_SHAPES = [
 ]
 # Launch-setting variants of gdn2 timed at the first timing shape (``--variants``).
 VARIANTS = [
-    dict(intra_backward_blocked=True),
-    dict(intra_backward_blocked=True, blocked_key_block=32),
+    dict(intra_forward_blocked=True, intra_backward_blocked=True),
+    dict(intra_forward_blocked=True, intra_backward_blocked=True, blocked_key_block=32),
+    dict(intra_forward_blocked=True),
     dict(state_min_programs=512),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
@@ -267,6 +268,9 @@ def main():
             TUNING.update(variant)
             try:
                 timing = time_one(gdn2_kernel, TIMING_SHAPES[0])
+                for dtype in (torch.float32, torch.bfloat16):  # the variant must be right, too
+                    errors = check(gdn2_kernel, CHECK_SHAPES[1], dtype, args.seed)
+                    timing[f"worst_error_{str(dtype).rsplit('.', 1)[-1]}"] = max(errors.values())
             except Exception as error:
                 timing = {"error": f"{type(error).__name__}: {error}"[:300]}
             TUNING.clear()

@@ -115,10 +115,11 @@ def test_kernel_strong_decay_every_step(T, seed, interpreter):
 
 
 @kernel_only
-def test_key_blocked_backward_variant(seed, interpreter, monkeypatch):
-    """The opt-in key-blocked intra_backward (triton_backward_blocked) against the spec."""
+@pytest.mark.parametrize("blocked", ["intra_forward_blocked", "intra_backward_blocked"])
+def test_key_blocked_variants(blocked, seed, interpreter, monkeypatch):
+    """The opt-in key-blocked in-chunk kernels (triton_*_blocked.py) against the spec."""
     forward_kernels, _ = kernel._kernels()
-    monkeypatch.setitem(forward_kernels.TUNING, "intra_backward_blocked", True)
+    monkeypatch.setitem(forward_kernels.TUNING, blocked, True)
     for shape in [(2, 37, 2, 16, 8, (-20.0, 0.0)), (1, 70, 1, 48, 80, (-20.0, -10.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))]:
         B, T, H, K, V, decay = shape
         case = make_case(B, T, H, K, V, seed, log_decay_range=decay)

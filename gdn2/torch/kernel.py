@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from . import triton_backward, triton_backward_blocked, triton_forward
+from . import triton_backward, triton_backward_blocked, triton_forward, triton_forward_blocked
 from .triton_forward import CHUNK
 
 MAX_DIM = 256
@@ -40,7 +40,7 @@ def _kernels():
     ``TRITON_INTERPRET``; when the variable changed since these modules were imported (a test
     sets it after another module imported them), they are imported again.
     """
-    global triton_forward, triton_backward, triton_backward_blocked
+    global triton_forward, triton_backward, triton_backward_blocked, triton_forward_blocked
     interpreted = type(triton_forward._intra_forward_kernel).__name__ == "InterpretedFunction"
     if interpreted != _interpreting():
         tuning = dict(triton_forward.TUNING)
@@ -48,6 +48,7 @@ def _kernels():
         triton_forward.TUNING.update(tuning)
         triton_backward = importlib.reload(triton_backward)
         triton_backward_blocked = importlib.reload(triton_backward_blocked)
+        triton_forward_blocked = importlib.reload(triton_forward_blocked)
     return triton_forward, triton_backward
 
 
@@ -101,7 +102,10 @@ class TritonGDN2(torch.autograd.Function):
         P = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
         inverse = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
         forward_kernels, _ = _kernels()
-        forward_kernels.intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, precision)
+        intra_forward = forward_kernels.intra_forward
+        if forward_kernels.TUNING.get("intra_forward_blocked"):
+            intra_forward = triton_forward_blocked.intra_forward_blocked
+        intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, precision)
 
         initial = None if initial_state is None else initial_state.contiguous()
         o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)

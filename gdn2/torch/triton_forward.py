@@ -37,8 +37,8 @@ CHUNK = 64
 # (8 warps in the sequential passes and 16 in intra_backward faulted on the H200 with Triton 3.6.)
 TUNING = dict(intra_forward_warps=8, state_warps=4, intra_backward_warps=8, intra_backward_block_v=32,
               state_min_programs=256,
-              # opt-in, not yet measured on a GPU: the key-blocked intra_backward
-              intra_backward_blocked=False, blocked_key_block=16)
+              # opt-in, not yet measured on a GPU: the key-blocked in-chunk kernels
+              intra_forward_blocked=False, intra_backward_blocked=False, blocked_key_block=16)
 TUNING.update(json.loads(os.environ.get("GDN2_TRITON_TUNING", "{}")))
 
 
