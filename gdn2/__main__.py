@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch: cpu, cuda, cuda:1, mps (default cuda if available); mlx: cpu or gpu (default MLX's)")
     train.add_argument("--out", type=Path, default=None, help="output folder (default runs/train-FRAMEWORK-TASK)")
     _add_model_arguments(train)
+    train.set_defaults(subparser=train)
 
     compare = commands.add_parser("compare", help="train in both frameworks from the same weights and batches",
                                   description="Train the same model from the same initial weights on the same batches "
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--mlx-device", default=None, help="mlx device: cpu or gpu (default MLX's)")
     compare.add_argument("--out", type=Path, default=None, help="output folder (default runs/compare-TASK)")
     _add_model_arguments(compare)
-    compare.set_defaults(steps=100, eval_every=0, eval_size=256)
+    compare.set_defaults(steps=100, eval_every=0, eval_size=256, subparser=compare)
 
     commands.add_parser("demo", help="the demo (gdn2/demo.py), arguments passed on", add_help=False)
     return parser
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    code = {"train": cmd_train, "compare": cmd_compare}[args.command](parser, args)
+    code = {"train": cmd_train, "compare": cmd_compare}[args.command](args.subparser, args)
     if not getattr(args, "quiet", False):
         print(f"total wall time {time.perf_counter() - started:.1f} s")
     return code
