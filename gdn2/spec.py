@@ -129,6 +129,13 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     return len(offsets) - 1
 
 
+def sequence_positions(cu_seqlens, B: int, T: int) -> np.ndarray:
+    """Each token's index inside its packed sequence, ``[T]`` (``cu_seqlens`` checked first)."""
+    validate_cu_seqlens(cu_seqlens, B, T)
+    offsets = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
+    return np.arange(T) - np.repeat(offsets[:-1], np.diff(offsets))
+
+
 def default_scale(K: int, scale=None) -> float:
     return float(K) ** -0.5 if scale is None else float(scale)
 

@@ -264,7 +264,9 @@ def test_bad_arguments_raise_clear_errors(module):
     layer = module.GatedDeltaNet2(hidden_size=16, head_dim=8, num_heads=2)
     x = np.ones((1, 3, 16), np.float32)
     array = torch.from_numpy(x) if module is torch_layer else mx.array(x)
-    with pytest.raises(NotImplementedError, match="attention_mask"):
-        layer(array, attention_mask=array[..., 0])
+    with pytest.raises(ValueError, match=r"attention_mask: expected shape \[B, T\] = \[1, 3\], received \[3, 16\]"):
+        layer(array, attention_mask=array[0])
+    with pytest.raises(ValueError, match="attention_mask: expected 0/1 values"):
+        layer(array, attention_mask=array[..., 0] * 2)
     with pytest.raises(ValueError, match="hidden_states"):
         layer(array[..., :8])

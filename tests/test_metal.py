@@ -296,3 +296,19 @@ def test_harness_reports_a_write_out_of_bounds(seed):
         launch = metal.forward_launch(*inputs, state, 0.125, 16, save=False, name="gdn2_forward_unmasked", source=source)
     with pytest.raises(harness.OutOfBounds, match="final_state"):
         harness.run_launch(launch, schedules=(0,))
+
+
+def test_packed_sequences_on_the_kernel_path(monkeypatch, seed):
+    """cu_seqlens through the Metal kernels (run by the harness, as a zero-padded batch): equal to
+    each sequence run alone, outputs, final states and every gradient."""
+    from frameworks import packed_case, random_lengths, run_packed_mlx
+
+    case = packed_case(seed, random_lengths(seed, 3), H=1, K=16, V=8)
+    monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(paths, "_said", set())  # so that a fallback would warn (and fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback may happen
+        with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
+            result = run_packed_mlx(case, "kernel", 8)
+    for name, value in result.items():
+        check(f"{name} (packed)", value, case["expected"][name], 2e-5, seed)

@@ -204,3 +204,17 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
     reference, _ = chunk_gdn2(q, k, v, g, b, w, initial_state=state, path="chunk")
     torch.testing.assert_close(o1, reference)
     torch.testing.assert_close(o2, reference)
+
+
+@kernel_only
+def test_packed_sequences_on_the_kernel_path(interpreter, seed):
+    """cu_seqlens through the Triton kernels (as a zero-padded batch): equal to separate runs."""
+    from frameworks import packed_case, random_lengths, run_packed_torch
+
+    case = packed_case(seed, random_lengths(seed, 4), H=1, K=16, V=8)
+    _said.clear()  # so that a fallback would warn (and fail) even if it happened before
+    assert which_path(*(torch.zeros(1, 1, 1, 16) for _ in range(6)), path="kernel").path == "kernel"
+    result = run_packed_torch(case, "kernel", 64)
+    for name, value in result.items():
+        error = float(np.linalg.norm(value - case["expected"][name]) / np.linalg.norm(case["expected"][name]))
+        assert error <= 1e-4, (name, error, seed)

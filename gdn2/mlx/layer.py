@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..spec import sequence_positions
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
 from .chunk import chunk_gdn2, recurrent_gdn2
 
@@ -72,16 +73,23 @@ class ShortConvolution(nn.Module):
         if bias:
             self.bias = mx.random.uniform(-bound, bound, (hidden_size,))
 
-    def __call__(self, x: mx.array, state: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    def __call__(
+        self, x: mx.array, state: mx.array | None = None, positions: np.ndarray | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """``positions`` ``[T]``: each token's index inside its packed sequence; a tap that would
+        reach back past the start of the token's sequence is left out (no leak across sequences)."""
         B, T, D = x.shape
         width = self.kernel_size
         if state is None:
             state = mx.zeros((B, width - 1, D), dtype=x.dtype)
         joined = mx.concatenate([state.astype(x.dtype), x], axis=1)  # [B, width - 1 + T, D]
         taps = self.weight[:, 0, :]  # [D, width]; tap i multiplies the input width - 1 - i steps back
-        y = joined[:, 0:T] * taps[:, 0]
-        for i in range(1, width):
-            y = y + joined[:, i : i + T] * taps[:, i]
+        y = 0
+        for i in range(width):
+            term = joined[:, i : i + T] * taps[:, i]
+            if positions is not None:
+                term = term * mx.array(positions >= width - 1 - i, dtype=x.dtype)[:, None]
+            y = y + term
         if "bias" in self:
             y = y + self.bias
         return nn.silu(y), joined[:, joined.shape[1] - (width - 1) :]
@@ -175,28 +183,33 @@ class GatedDeltaNet2(nn.Module):
         hidden_states: mx.array,
         attention_mask: mx.array | None = None,
         cache: GDN2Cache | None = None,
+        cu_seqlens=None,
     ) -> mx.array:
         """``hidden_states [B, T, hidden_size] -> [B, T, hidden_size]``.
 
         With ``cache``, the call continues the sequence the cache holds and updates it in place.
-        ``attention_mask`` is reserved for padding masks (a later release) and must be None.
+        ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding; left or right padding) and
+        ``cu_seqlens`` ``[N + 1]`` (B = 1, packed sequences) behave as in ``gdn2.torch``'s layer.
         """
-        if attention_mask is not None:
-            raise NotImplementedError("attention_mask: padding masks are not supported yet; pass None")
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states: expected shape [B, T, {self.hidden_size}], received {list(hidden_states.shape)}"
             )
         B, T, _ = hidden_states.shape
+        mask = padding_mask(attention_mask, B, T, cache)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
+        positions = None if cu_seqlens is None else sequence_positions(cu_seqlens, B, T)
         x = hidden_states
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         f32 = mx.float32
 
         if self.use_short_conv:
             conv_q, conv_k, conv_v = cache.conv_state if cache is not None and cache.conv_state else (None,) * 3
-            q, conv_q = self.q_conv1d(self.q_proj(x), conv_q)
-            k, conv_k = self.k_conv1d(self.k_proj(x), conv_k)
-            v, conv_v = self.v_conv1d(self.v_proj(x), conv_v)
+            masked = (lambda y: y) if mask is None else (lambda y: y * mask[..., None].astype(y.dtype))
+            q, conv_q = self.q_conv1d(masked(self.q_proj(x)), conv_q, positions)
+            k, conv_k = self.k_conv1d(masked(self.k_proj(x)), conv_k, positions)
+            v, conv_v = self.v_conv1d(masked(self.v_proj(x)), conv_v, positions)
         else:
             q, k, v = nn.silu(self.q_proj(x)), nn.silu(self.k_proj(x)), nn.silu(self.v_proj(x))
 
@@ -212,6 +225,10 @@ class GatedDeltaNet2(nn.Module):
         v = v.astype(f32).reshape(B, T, HV, V)
         if self.groups > 1:
             q, k, g, b = (mx.repeat(t, self.groups, axis=2) for t in (q, k, g, b))
+        if mask is not None:
+            # A padding step with k = 0 and g = 0 leaves the state exactly as it was.
+            step = mask[:, :, None, None].astype(f32)
+            k, g = k * step, g * step
 
         state = None if cache is None else cache.recurrent_state
         if cache is not None and T == 1 and state is not None:
@@ -219,7 +236,7 @@ class GatedDeltaNet2(nn.Module):
         else:
             o, state = chunk_gdn2(
                 q, k, v, g, b, w, initial_state=state, output_final_state=cache is not None,
-                chunk_size=self.chunk_size, path=self.path,
+                chunk_size=self.chunk_size, path=self.path, cu_seqlens=cu_seqlens,
             )
         if cache is not None:
             cache.recurrent_state = state
@@ -228,7 +245,26 @@ class GatedDeltaNet2(nn.Module):
 
         gate = self.g_proj[1](self.g_proj[0](x)).reshape(B, T, HV, V)
         o = self.o_norm(o, gate).reshape(B, T, HV * V).astype(hidden_states.dtype)
-        return self.o_proj(o)
+        o = self.o_proj(o)
+        return o if mask is None else o * mask[..., None].astype(o.dtype)
+
+
+def padding_mask(attention_mask, B: int, T: int, cache) -> mx.array | None:
+    """Check a ``[B, T]`` 0/1 padding mask; return it as a bool array (None: no padding)."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != (B, T):
+        raise ValueError(f"attention_mask: expected shape [B, T] = {[B, T]}, received {list(attention_mask.shape)}")
+    if not mx.all((attention_mask == 0) | (attention_mask == 1)).item():
+        raise ValueError("attention_mask: expected 0/1 values (1 = token, 0 = padding), received other values")
+    mask = attention_mask.astype(mx.bool_)
+    if cache is not None and not mx.all(mask).item() and (cache.offset > 0 or not mx.all(mask[:, -1]).item()):
+        # The convolution state would hold padding: right padding, or padding after cached tokens.
+        raise ValueError(
+            "attention_mask: with a cache, padding is supported on the first call and on the left only "
+            "(the usual layout for batched generation)"
+        )
+    return mask
 
 
 class GatedMLP(nn.Module):

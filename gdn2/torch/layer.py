@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..spec import sequence_positions
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
 from .chunk import chunk_gdn2, recurrent_gdn2
 
@@ -67,13 +68,25 @@ class ShortConvolution(nn.Conv1d):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias)
         self.hidden_size = hidden_size
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, state: torch.Tensor | None = None, positions: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[T]``: each token's index inside its packed sequence; a tap that would
+        reach back past the start of the token's sequence is left out (no leak across sequences)."""
         B, T, D = x.shape
         width = self.kernel_size[0]
         if state is None:
             state = x.new_zeros(B, width - 1, D)
         joined = torch.cat([state.to(x.dtype), x], dim=1)  # [B, width - 1 + T, D]
-        y = F.conv1d(joined.transpose(1, 2), self.weight, self.bias, groups=D).transpose(1, 2)
+        if positions is None:
+            y = F.conv1d(joined.transpose(1, 2), self.weight, self.bias, groups=D).transpose(1, 2)
+        else:
+            y = 0
+            for tap in range(width):  # tap j reads the input width - 1 - j steps back
+                inside = torch.as_tensor(positions >= width - 1 - tap, dtype=x.dtype, device=x.device)[:, None]
+                y = y + joined[:, tap : tap + T] * self.weight[:, 0, tap] * inside
+            if self.bias is not None:
+                y = y + self.bias
         return F.silu(y), joined[:, joined.shape[1] - (width - 1) :]
 
 
@@ -115,8 +128,8 @@ class GatedDeltaNet2(nn.Module):
 
     Args mirror flash-linear-attention's ``GatedDeltaNet2`` (``hidden_size, expand_v, head_dim,
     num_heads, num_v_heads, use_short_conv, allow_neg_eigval, conv_size, conv_bias, norm_eps``),
-    plus ``chunk_size`` and ``path`` passed to ``chunk_gdn2``. Not (yet) supported: fla's ``mode``
-    (the path is chosen by ``gdn2.paths``), ``safe_gate``, ``attention_mask`` and ``cu_seqlens``.
+    plus ``chunk_size`` and ``path`` passed to ``chunk_gdn2``. Not supported: fla's ``mode`` (the
+    path is chosen by ``gdn2.paths``) and ``safe_gate``.
     """
 
     def __init__(
@@ -178,28 +191,37 @@ class GatedDeltaNet2(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: GDN2Cache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden_states [B, T, hidden_size] -> [B, T, hidden_size]``.
 
         With ``cache``, the call continues the sequence the cache holds and updates it in place;
         calling token by token gives the outputs of one call over the whole sequence.
-        ``attention_mask`` is reserved for padding masks (a later release) and must be None.
+
+        ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding; left or right padding): padding
+        steps leave the convolution inputs and the recurrent state untouched, so each row's tokens
+        get the outputs of that sequence run alone (outputs at padding are zero).
+        ``cu_seqlens`` ``[N + 1]`` (B = 1): sequences packed along T; the short convolutions and the
+        recurrence restart at each sequence (no cache).
         """
-        if attention_mask is not None:
-            raise NotImplementedError("attention_mask: padding masks are not supported yet; pass None")
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states: expected shape [B, T, {self.hidden_size}], received {list(hidden_states.shape)}"
             )
         B, T, _ = hidden_states.shape
+        mask = padding_mask(attention_mask, B, T, hidden_states, cache)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
+        positions = None if cu_seqlens is None else sequence_positions(cu_seqlens, B, T)
         x = hidden_states
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
 
         if self.use_short_conv:
             conv_q, conv_k, conv_v = cache.conv_state if cache is not None and cache.conv_state else (None,) * 3
-            q, conv_q = self.q_conv1d(self.q_proj(x), conv_q)
-            k, conv_k = self.k_conv1d(self.k_proj(x), conv_k)
-            v, conv_v = self.v_conv1d(self.v_proj(x), conv_v)
+            masked = (lambda y: y) if mask is None else (lambda y: y * mask[..., None].to(y.dtype))
+            q, conv_q = self.q_conv1d(masked(self.q_proj(x)), conv_q, positions)
+            k, conv_k = self.k_conv1d(masked(self.k_proj(x)), conv_k, positions)
+            v, conv_v = self.v_conv1d(masked(self.v_proj(x)), conv_v, positions)
         else:
             q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
 
@@ -215,6 +237,10 @@ class GatedDeltaNet2(nn.Module):
         v = v.float().view(B, T, HV, V)
         if self.groups > 1:
             q, k, g, b = (t.repeat_interleave(self.groups, dim=2) for t in (q, k, g, b))
+        if mask is not None:
+            # A padding step with k = 0 and g = 0 leaves the state exactly as it was.
+            step = mask[:, :, None, None].to(torch.float32)
+            k, g = k * step, g * step
 
         state = None if cache is None else cache.recurrent_state
         if cache is not None and T == 1 and state is not None:
@@ -222,7 +248,7 @@ class GatedDeltaNet2(nn.Module):
         else:
             o, state = chunk_gdn2(
                 q, k, v, g, b, w, initial_state=state, output_final_state=cache is not None,
-                chunk_size=self.chunk_size, path=self.path,
+                chunk_size=self.chunk_size, path=self.path, cu_seqlens=cu_seqlens,
             )
         if cache is not None:
             cache.recurrent_state = state
@@ -231,7 +257,26 @@ class GatedDeltaNet2(nn.Module):
 
         gate = self.g_proj(x).view(B, T, HV, V)
         o = self.o_norm(o, gate).reshape(B, T, HV * V).to(hidden_states.dtype)
-        return self.o_proj(o)
+        o = self.o_proj(o)
+        return o if mask is None else o * mask[..., None].to(o.dtype)
+
+
+def padding_mask(attention_mask, B: int, T: int, like: torch.Tensor, cache) -> torch.Tensor | None:
+    """Check a ``[B, T]`` 0/1 padding mask; return it as a bool tensor (None: no padding)."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != (B, T):
+        raise ValueError(f"attention_mask: expected shape [B, T] = {[B, T]}, received {list(attention_mask.shape)}")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask: expected 0/1 values (1 = token, 0 = padding), received other values")
+    mask = attention_mask.to(device=like.device, dtype=torch.bool)
+    if cache is not None and not bool(mask.all()) and (cache.offset > 0 or not bool(mask[:, -1].all())):
+        # The convolution state would hold padding: right padding, or padding after cached tokens.
+        raise ValueError(
+            "attention_mask: with a cache, padding is supported on the first call and on the left only "
+            "(the usual layout for batched generation)"
+        )
+    return mask
 
 
 class GatedMLP(nn.Module):
