@@ -63,6 +63,25 @@ def _run_mlx(inputs, d_o, d_final, path, chunk_size):
     return {n: np.array(x).astype(np.float64) for n, x in result.items()}, seconds, choice
 
 
+def _kernel_problem(framework: str, inputs, chunk_size: int) -> str | None:
+    """Why the kernel path cannot run here (None: it can)."""
+    if framework == "torch":
+        import torch
+
+        from .torch import which_path
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        arrays = [torch.tensor(inputs[n], dtype=torch.float32, device=device) for n in INPUT_NAMES]
+    else:
+        import mlx.core as mx
+
+        from .mlx import which_path
+
+        arrays = [mx.array(inputs[n], dtype=mx.float32) for n in INPUT_NAMES]
+    choice = which_path(*arrays, chunk_size=chunk_size, path="kernel")
+    return None if choice.path == "kernel" else choice.reason
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gdn2 demo", description=__doc__)
     parser.add_argument("--B", type=int, default=2)
@@ -97,6 +116,11 @@ def main(argv=None) -> int:
     print(f"\n{'framework':<9} {'path':<10} {'fwd+bwd s':>9}  {'worst rel. error vs spec':<30} path taken")
     for framework, runner in runners.items():
         for path in ("reference", "chunk", "kernel"):
+            if path == "kernel":
+                reason = _kernel_problem(framework, inputs, args.chunk_size)
+                if reason is not None:
+                    print(f"{framework:<9} {path:<10} {'':>9}  not run: {reason}")
+                    continue
             result, seconds, choice = runner(inputs, d_o, d_final, path, args.chunk_size)
             errors = {n: relative_error(result[n], expected[n]) for n in expected}
             name = max(errors, key=errors.get)
