@@ -120,8 +120,11 @@ def _segments(packing: Packing | None, chunks: int):
     return [(n, first, end) for n, (first, end) in enumerate(packing.chunk_ranges)]
 
 
-def _rows(x, row):
-    return x if row is None else x[row : row + 1]
+def _state_rows(ops: Ops, state, row, shape, like):
+    """The rows of ``state`` for one run (all rows when ``row`` is None), or zeros of ``shape``."""
+    if state is None:
+        return ops.zeros(shape, like=like)
+    return state if row is None else state[row : row + 1]
 
 
 def decay_pairs(ops: Ops, g):
@@ -292,7 +295,7 @@ def forward(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size:
     intra = intra_chunk(ops, q, k, v, g, b, w)
     states, new_values, final_states = [None] * N, [None] * N, []
     for row, first, end in _segments(packing, N):
-        state = _rows(initial_state, row) if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
+        state = _state_rows(ops, initial_state, row, (B, H, K, v.shape[-1]), q)
         for n in range(first, end):
             states[n] = state
             new_values[n] = intra.Uw[:, :, n] - intra.Wk[:, :, n] @ state
@@ -318,7 +321,7 @@ def backward(
     B, H, N, C, K = q.shape
     intra = intra_chunk(ops, q, k, v, g, b, w)
     U = intra.Uw - intra.Wk @ states
-    inclusive = ops.tril(C, False, q)
+    inclusive, strict = ops.tril(C, False, q), ops.tril(C, True, q)
 
     # o = scale * (Qg S + P U)
     d_Qg = scale * (d_o @ mT(states))
@@ -328,10 +331,7 @@ def backward(
     # Reverse pass over chunks: d_state is the gradient of the state leaving chunk n.
     d_leaving, d_initial_states = [None] * N, []
     for row, first, end in _segments(packing, N):
-        if d_final_state is not None:
-            d_state = _rows(d_final_state, row)
-        else:
-            d_state = ops.zeros((B, H, K, v.shape[-1]), like=q)
+        d_state = _state_rows(ops, d_final_state, row, (B, H, K, v.shape[-1]), q)
         for n in reversed(range(first, end)):
             d_leaving[n] = d_state
             d_U_n = d_U[:, :, n] + intra.Kd[:, :, n] @ d_state
@@ -353,7 +353,7 @@ def backward(
     # Uw = inverse (w v), Wk = inverse (bk exp(G)); inverse = (I + A)^{-1}
     d_wv = mT(intra.inverse) @ d_U
     d_bkg = mT(intra.inverse) @ d_Wk
-    d_A = -(d_wv @ mT(intra.Uw) + d_bkg @ mT(intra.Wk)) * ops.tril(C, True, q)
+    d_A = -(d_wv @ mT(intra.Uw) + d_bkg @ mT(intra.Wk)) * strict
     dw = d_wv * v
     dv = d_wv * w
 
@@ -367,7 +367,6 @@ def backward(
     # A = pair(bk, k) (strict), P = pair(q, k) (inclusive). P's diagonal does not depend on G
     # (E_ii = 1): it is kept out of d_G, where its two equal and opposite terms would cancel
     # only to rounding and swamp the small log-decay gradients of strongly decaying channels.
-    strict = ops.tril(C, True, q)
     d_P_diagonal = ops.sum(d_P * (inclusive - strict), axis=-1)[..., None]  # [C, 1]
     d_P = d_P * strict
     d_bk_A = intra.decay.left(ops, d_A, k)
@@ -402,7 +401,7 @@ def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, cu_seqlen
     outputs, final_states = [], []
     for row, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         row = None if cu_seqlens is None else row
-        state = _rows(initial_state, row) if initial_state is not None else ops.zeros((B, H, K, v.shape[-1]), like=q)
+        state = _state_rows(ops, initial_state, row, (B, H, K, v.shape[-1]), q)
         for t in range(start, end):
             decayed = state * ops.exp(g[:, t])[..., None]
             erased = ops.sum((b[:, t] * k[:, t])[..., None] * decayed, axis=-2)
