@@ -312,3 +312,29 @@ def test_packed_sequences_on_the_kernel_path(monkeypatch, seed):
             result = run_packed_mlx(case, "kernel", 8)
     for name, value in result.items():
         check(f"{name} (packed)", value, case["expected"][name], 2e-5, seed)
+
+
+def test_recurrent_decode_step_runs_the_kernel(monkeypatch, seed):
+    """gdn2.mlx.recurrent_gdn2 with T == 1 and a state (the layer's decode step) runs the Metal
+    kernel where it can, and equals the spec."""
+    import gdn2.mlx as api
+
+    case = make_case(1, 1, 2, 24, 8, seed)
+    a = case["arrays"]
+    monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(paths, "_said", set())  # so that a fallback would warn (and fail)
+    used = []
+
+    def counting_launcher(launch):
+        used.append(launch.name)
+        return harness.harness_launcher(launch)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback may happen
+        with metal.use_launcher(counting_launcher), metal.use_geometry(**SMALL):
+            o, state = api.recurrent_gdn2(*(a[n] for n in spec.INPUT_NAMES), initial_state=a["initial_state"],
+                                          output_final_state=True)
+            mx.eval(o, state)
+    assert "gdn2_forward" in used
+    check("o (recurrent decode)", as64(o), case["o"], 2e-5, seed)
+    check("final_state (recurrent decode)", as64(state), case["final"], 2e-5, seed)

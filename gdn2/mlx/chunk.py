@@ -139,10 +139,20 @@ def recurrent_gdn2(
 ) -> tuple[mx.array, mx.array | None]:
     """Token-by-token GDN-2 (same arguments and shapes as ``chunk_gdn2``; ``chunk_size`` unused).
 
-    With ``T == 1`` and a state this is the decode step. Differentiated by MLX autodiff.
+    With ``T == 1`` and a state this is the decode step. The Metal kernel is itself a per-step scan:
+    where it can run (an Apple GPU), this runs it; elsewhere, the recurrence in MLX ops under MLX
+    autodiff.
     """
     dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
-    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state, cu_seqlens)
+    scale = default_scale(dims.K, scale)
+    if cu_seqlens is None:
+        metal, problem = _metal_module()
+        if problem is None and metal.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size) is None:
+            try:
+                return metal.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
+            except Exception as error:  # a compile or launch failure gives way to the MLX-ops recurrence
+                announce("mlx", PathChoice("reference", f"Metal kernel failed: {type(error).__name__}: {error}"), True)
+    return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens=None):
