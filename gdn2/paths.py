@@ -75,3 +75,22 @@ def announce(framework: str, choice: PathChoice, fallback: bool = False) -> None
     if fallback or "requested but unavailable" in choice.reason:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     logger.info(message)
+
+
+def run_kernel(framework: str, kernel_name: str, kernel_call, ops, inputs, cu_seqlens, *args, fallback: str = "chunk"):
+    """Run a kernel path's ``kernel_call(q, k, v, g, b, w, *args)``; None if it failed.
+
+    Packed input (``cu_seqlens``) runs as a zero-padded batch of N rows, which is exact (see
+    ``gdn2.chunk.split_sequences``). A compile or launch failure is announced once, as giving way to
+    ``fallback``, and the caller runs that path.
+    """
+    from .chunk import join_sequences, split_sequences
+
+    try:
+        if cu_seqlens is None:
+            return kernel_call(*inputs, *args)
+        o, final_state = kernel_call(*(split_sequences(ops, x, cu_seqlens) for x in inputs), *args)
+        return join_sequences(ops, o, cu_seqlens), final_state
+    except Exception as error:  # a compile or launch failure gives way to the fallback path
+        announce(framework, PathChoice(fallback, f"{kernel_name} failed: {type(error).__name__}: {error}"), True)
+        return None

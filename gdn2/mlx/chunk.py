@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import chunk as algorithm
-from ..paths import PathChoice, announce, choose
+from ..paths import PathChoice, announce, choose, run_kernel
 from ..spec import default_scale, validate
 from .xp import mlx_ops
 
@@ -105,15 +105,12 @@ def chunk_gdn2(
     announce("mlx", choice)
     if choice.path == "kernel":
         metal, _ = _metal_module()
-        try:
-            if cu_seqlens is None:
-                return metal.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
-            # Packed sequences run as a zero-padded batch of N rows (exact: see split_sequences).
-            rows = [algorithm.split_sequences(mlx_ops, x, cu_seqlens) for x in (q, k, v, g, b, w)]
-            o, final_state = metal.chunk_gdn2(*rows, scale, initial_state, output_final_state, chunk_size)
-            return algorithm.join_sequences(mlx_ops, o, cu_seqlens), final_state
-        except Exception as error:  # a compile or launch failure gives way to the chunk path
-            announce("mlx", PathChoice("chunk", f"Metal kernel failed: {type(error).__name__}: {error}"), True)
+        result = run_kernel(
+            "mlx", "Metal kernel", metal.chunk_gdn2, mlx_ops, (q, k, v, g, b, w), cu_seqlens,
+            scale, initial_state, output_final_state, chunk_size,
+        )
+        if result is not None:
+            return result
     if choice.path == "reference":
         return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
     if initial_state is None:
@@ -145,13 +142,14 @@ def recurrent_gdn2(
     """
     dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
     scale = default_scale(dims.K, scale)
-    if cu_seqlens is None:
-        metal, problem = _metal_module()
-        if problem is None and metal.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size) is None:
-            try:
-                return metal.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
-            except Exception as error:  # a compile or launch failure gives way to the MLX-ops recurrence
-                announce("mlx", PathChoice("reference", f"Metal kernel failed: {type(error).__name__}: {error}"), True)
+    metal, problem = _metal_module()
+    if problem is None and metal.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size) is None:
+        result = run_kernel(
+            "mlx", "Metal kernel", metal.chunk_gdn2, mlx_ops, (q, k, v, g, b, w), cu_seqlens,
+            scale, initial_state, output_final_state, chunk_size, fallback="reference",
+        )
+        if result is not None:
+            return result
     return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
 
 

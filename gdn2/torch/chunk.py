@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import chunk as algorithm
-from ..paths import PathChoice, announce, choose
+from ..paths import PathChoice, announce, choose, run_kernel
 from ..spec import default_scale, validate
 from .xp import torch_ops
 
@@ -107,15 +107,12 @@ def chunk_gdn2(
     announce("torch", choice)
     if choice.path == "kernel":
         kernel, _ = _kernel_module()
-        try:
-            if cu_seqlens is None:
-                return kernel.chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state, chunk_size)
-            # Packed sequences run as a zero-padded batch of N rows (exact: see split_sequences).
-            rows = [algorithm.split_sequences(torch_ops, x, cu_seqlens) for x in (q, k, v, g, b, w)]
-            o, final_state = kernel.chunk_gdn2(*rows, scale, initial_state, output_final_state, chunk_size)
-            return algorithm.join_sequences(torch_ops, o, cu_seqlens), final_state
-        except Exception as error:  # a compile or launch failure gives way to the chunk path
-            announce("torch", PathChoice("chunk", f"Triton kernel failed: {type(error).__name__}: {error}"), True)
+        result = run_kernel(
+            "torch", "Triton kernel", kernel.chunk_gdn2, torch_ops, (q, k, v, g, b, w), cu_seqlens,
+            scale, initial_state, output_final_state, chunk_size,
+        )
+        if result is not None:
+            return result
     if choice.path == "reference":
         return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
     packing = None if cu_seqlens is None else algorithm.Packing.build(cu_seqlens, chunk_size)
