@@ -26,8 +26,9 @@ def _compute_dtype(x: mx.array) -> mx.Dtype:
 
 
 @lru_cache(maxsize=64)
-def _chunk_function(scale: float, chunk_size: int, offsets: tuple[int, ...] | None):
-    """One ``mx.custom_function`` per (scale, chunk_size, packed offsets): arrays are its only arguments.
+def _chunk_function(scale: float, chunk_size: int, offsets: tuple[int, ...] | None, has_state: bool):
+    """One ``mx.custom_function`` per (scale, chunk_size, packed offsets, with or without an
+    initial state): arrays are its only arguments, ``(q, k, v, g, b, w[, initial_state])``.
 
     It returns ``(o, final_state, states)``; ``states`` (the state entering each chunk) is an
     output only so that the vjp receives it, and callers drop it (its cotangent is zero).
@@ -36,26 +37,25 @@ def _chunk_function(scale: float, chunk_size: int, offsets: tuple[int, ...] | No
     packing = None if offsets is None else algorithm.Packing.build(np.array(offsets), chunk_size)
 
     @mx.custom_function
-    def chunk(q, k, v, g, b, w, initial_state):
+    def chunk(*arrays):
+        q = arrays[0]
         dtype = _compute_dtype(q)
-        inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
-        o, final_state, states = algorithm.forward(
-            mlx_ops, *inputs, scale, initial_state.astype(dtype), chunk_size, packing
-        )
-        return o.astype(q.dtype), final_state.astype(initial_state.dtype), states
+        inputs = [x.astype(dtype) for x in arrays[:6]]
+        initial_state = arrays[6].astype(dtype) if has_state else None
+        o, final_state, states = algorithm.forward(mlx_ops, *inputs, scale, initial_state, chunk_size, packing)
+        return o.astype(q.dtype), final_state, states
 
     @chunk.vjp
     def chunk_vjp(primals, cotangents, outputs):
-        q, k, v, g, b, w, initial_state = primals
         d_o, d_final_state, _ = cotangents
         states = outputs[2]
         dtype = states.dtype
-        inputs = [x.astype(dtype) for x in (q, k, v, g, b, w)]
+        inputs = [x.astype(dtype) for x in primals[:6]]
         *grads, d_initial = algorithm.backward(
             mlx_ops, *inputs, scale, states, d_o.astype(dtype), d_final_state.astype(dtype), chunk_size, packing
         )
-        grads = [grad.astype(x.dtype) for grad, x in zip(grads, (q, k, v, g, b, w))]
-        return (*grads, d_initial.astype(initial_state.dtype))
+        grads = [grad.astype(x.dtype) for grad, x in zip(grads, primals)]
+        return (*grads, d_initial.astype(primals[6].dtype)) if has_state else tuple(grads)
 
     return chunk
 
@@ -113,11 +113,9 @@ def chunk_gdn2(
             return result
     if choice.path == "reference":
         return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
-    if initial_state is None:
-        # Zeros stand in for a missing state; their gradient is computed and dropped.
-        initial_state = mx.zeros((dims.N, dims.H, dims.K, dims.V), dtype=_compute_dtype(q))
     offsets = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
-    o, final_state, _ = _chunk_function(scale, chunk_size, offsets)(q, k, v, g, b, w, initial_state)
+    arrays = (q, k, v, g, b, w) if initial_state is None else (q, k, v, g, b, w, initial_state)
+    o, final_state, _ = _chunk_function(scale, chunk_size, offsets, initial_state is not None)(*arrays)
     return o, (final_state if output_final_state else None)
 
 
