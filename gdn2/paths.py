@@ -25,6 +25,7 @@ class PathChoice:
 
     path: str
     reason: str
+    gave_way: bool = False  # a requested or failing kernel gave way to this path (warned once)
 
     def __str__(self) -> str:
         return f"{self.path} ({self.reason})"
@@ -44,9 +45,7 @@ def requested_path(path: str | None) -> tuple[str | None, str]:
     return None, "automatic"
 
 
-def choose(
-    framework: str, path: str | None, kernel_problem: str | None, kernel_name: str, auto_problem: str | None = None
-) -> PathChoice:
+def choose(path: str | None, kernel_problem: str | None, kernel_name: str, auto_problem: str | None = None) -> PathChoice:
     """Decide the path.
 
     ``kernel_problem`` is None when the kernel can run, else why it cannot; ``auto_problem`` is a
@@ -61,18 +60,18 @@ def choose(
     if kernel_problem is None:
         return PathChoice("kernel", f"{kernel_name}, {source}")
     if wanted == "kernel":
-        return PathChoice("chunk", f"{kernel_name} requested but unavailable: {kernel_problem}")
+        return PathChoice("chunk", f"{kernel_name} requested but unavailable: {kernel_problem}", gave_way=True)
     return PathChoice("chunk", f"automatic; {kernel_name} not used: {kernel_problem}")
 
 
-def announce(framework: str, choice: PathChoice, fallback: bool = False) -> None:
+def announce(framework: str, choice: PathChoice) -> None:
     """Log a choice once; warn once when a requested or failing kernel gave way."""
     key = (framework, choice.path, choice.reason)
     if key in _said:
         return
     _said.add(key)
     message = f"gdn2.{framework}: {choice}"
-    if fallback or "requested but unavailable" in choice.reason:
+    if choice.gave_way:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     logger.info(message)
 
@@ -92,5 +91,5 @@ def run_kernel(framework: str, kernel_name: str, kernel_call, ops, inputs, cu_se
         o, final_state = kernel_call(*(split_sequences(ops, x, cu_seqlens) for x in inputs), *args)
         return join_sequences(ops, o, cu_seqlens), final_state
     except Exception as error:  # a compile or launch failure gives way to the fallback path
-        announce(framework, PathChoice(fallback, f"{kernel_name} failed: {type(error).__name__}: {error}"), True)
+        announce(framework, PathChoice(fallback, f"{kernel_name} failed: {type(error).__name__}: {error}", gave_way=True))
         return None

@@ -73,7 +73,7 @@ def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path:
     metal, problem = _metal_module()
     if problem is None:
         problem = metal.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
-    return choose("mlx", path, problem, "Metal kernel")
+    return choose(path, problem, "Metal kernel")
 
 
 def chunk_gdn2(

@@ -65,7 +65,7 @@ def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path:
     if problem is None:
         problem = kernel.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
     on_cpu = None if q.device.type == "cuda" else f"tensors on {q.device.type} (the Triton interpreter runs only when forced)"
-    return choose("torch", path, problem, "Triton kernel", on_cpu)
+    return choose(path, problem, "Triton kernel", on_cpu)
 
 
 def chunk_gdn2(
