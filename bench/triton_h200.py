@@ -46,12 +46,6 @@ CHECK_SHAPES = [
     (1, 1, 2, 48, 80, (-20.0, 0.0)),
 ]
 # Launch-setting variants of gdn2 timed at the first timing shape (``--variants``).
-VARIANTS = [
-    dict(intra_forward_blocked=True, intra_backward_blocked=True),
-    dict(intra_forward_blocked=True, intra_backward_blocked=True, blocked_key_block=32),
-    dict(intra_forward_blocked=True),
-    dict(state_min_programs=512),
-]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 
@@ -190,7 +184,6 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--check-only", default="", help="e.g. fla:bfloat16 to check one implementation and dtype")
-    parser.add_argument("--variants", action="store_true", help="time gdn2 launch-setting variants")
     parser.add_argument("--shapes", default="0,1,2", help="indices into the timing shapes")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
@@ -259,26 +252,6 @@ def main():
 
     if args.profile and "profile" not in result:
         profile(result, implementations, save)
-    if args.variants:
-        from gdn2.torch.triton_forward import TUNING
-
-        default = dict(TUNING)
-        result["variants"] = []
-        for variant in VARIANTS:
-            TUNING.update(variant)
-            try:
-                timing = time_one(gdn2_kernel, TIMING_SHAPES[0])
-                for dtype in (torch.float32, torch.bfloat16):  # the variant must be right, too
-                    errors = check(gdn2_kernel, CHECK_SHAPES[1], dtype, args.seed)
-                    timing[f"worst_error_{str(dtype).rsplit('.', 1)[-1]}"] = max(errors.values())
-            except Exception as error:
-                timing = {"error": f"{type(error).__name__}: {error}"[:300]}
-            TUNING.clear()
-            TUNING.update(default)
-            result["variants"].append(dict(variant=variant, **timing))
-            print("variant", variant, timing, flush=True)
-            save()
-
     print("\n| shape B,T,H,K=V | gdn2 fwd ms | fla fwd ms | ratio | gdn2 fwd+bwd ms | fla fwd+bwd ms | ratio "
           "| gdn2 peak GiB | fla peak GiB | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")

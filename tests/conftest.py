@@ -1,9 +1,16 @@
-"""Shared fixtures: every test draws fresh random inputs and prints its seed (shown on failure)."""
+"""Shared fixtures: every test draws fresh random inputs and prints its seed (shown on failure).
+
+``TRITON_INTERPRET=1`` is set here, before anything imports Triton, because ``triton.jit``
+decides at decoration time whether a kernel is compiled or interpreted. It does not send the
+automatic CPU path to the kernels: on CPU tensors the Triton path runs only when asked for.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 

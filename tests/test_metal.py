@@ -20,7 +20,8 @@ mx = pytest.importorskip("mlx.core")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.metal_harness` under plain `pytest` too
 
 from gdn2 import paths, spec  # noqa: E402
-from gdn2.mlx import metal, metal_source  # noqa: E402
+from gdn2.mlx import metal  # noqa: E402
+from gdn2.mlx.metal import scan_source as metal_source  # noqa: E402
 from tests.metal_harness import harness  # noqa: E402
 
 SMALL = dict(forward=metal.Geometry(2, 2), backward=metal.Geometry(2, 2))  # 64 threads, 4-column tiles

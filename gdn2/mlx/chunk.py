@@ -2,7 +2,7 @@
 
 The chunk path is an ``mx.custom_function`` whose forward is the chunked WY form and whose ``vjp``
 is the analytic chunked adjoint (both from ``gdn2/chunk.py``); the reference path is the recurrence
-in MLX ops under MLX autodiff; the kernel path is Metal (``gdn2/mlx/metal.py``).
+in MLX ops under MLX autodiff; the kernel path is Metal (``gdn2/mlx/metal/``).
 """
 
 from __future__ import annotations

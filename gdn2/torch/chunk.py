@@ -2,7 +2,7 @@
 
 The chunk path is a ``torch.autograd.Function`` whose forward is the chunked WY form and whose
 backward is the analytic chunked adjoint (both from ``gdn2/chunk.py``); the reference path is the
-recurrence in torch ops under autograd; the kernel path is Triton (``gdn2/torch/kernel.py``).
+recurrence in torch ops under autograd; the kernel path is Triton (``gdn2/torch/triton/``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ChunkGDN2(torch.autograd.Function):
 
 def _kernel_module():
     try:
-        from . import kernel
+        from . import triton as kernel
     except Exception as error:  # Triton missing or the kernels failed to import
         return None, f"Triton kernels unavailable ({type(error).__name__}: {error})"
     return kernel, None
@@ -108,8 +108,9 @@ def chunk_gdn2(
     if choice.path == "kernel":
         kernel, _ = _kernel_module()
         result = run_kernel(
-            "torch", "Triton kernel", kernel.chunk_gdn2, torch_ops, (q, k, v, g, b, w), cu_seqlens,
-            scale, initial_state, output_final_state, chunk_size,
+            "torch", "Triton kernel",
+            lambda *x: kernel.triton_gdn2(*x, scale=scale, initial_state=initial_state, output_final_state=output_final_state),
+            torch_ops, (q, k, v, g, b, w), cu_seqlens,
         )
         if result is not None:
             return result

@@ -1,13 +1,12 @@
 """The Triton kernel path of ``gdn2.torch.chunk_gdn2``.
 
-``unsupported_reason`` says whether the kernels can run a call; ``chunk_gdn2`` runs it through a
+``unsupported_reason`` says whether the kernels can run a call; ``triton_gdn2`` runs it through a
 ``torch.autograd.Function`` built from four launches:
 
     forward:  intra_forward (parallel over chunks)  -> state_forward (sequential over chunks)
     backward: state_backward (sequential, reverse)  -> intra_backward (parallel over chunks)
 
-The kernels always use chunks of 64 tokens, whatever ``chunk_size`` the caller passes: the chunked
-form is exact for any chunk size, so results agree with every other path to rounding.
+The kernels use chunks of 64 tokens; another ``chunk_size`` is a reason they cannot run the call.
 
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The
@@ -17,13 +16,12 @@ interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 
-from . import triton_backward, triton_backward_blocked, triton_forward, triton_forward_blocked
-from .triton_forward import CHUNK
+from .backward import intra_backward, state_backward
+from .forward import CHUNK, intra_forward, state_forward
 
 MAX_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,25 +29,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _kernels():
-    """The kernel modules, decorated for the current mode.
-
-    ``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted, from
-    ``TRITON_INTERPRET``; when the variable changed since these modules were imported (a test
-    sets it after another module imported them), they are imported again.
-    """
-    global triton_forward, triton_backward, triton_backward_blocked, triton_forward_blocked
-    interpreted = type(triton_forward._intra_forward_kernel).__name__ == "InterpretedFunction"
-    if interpreted != _interpreting():
-        tuning = dict(triton_forward.TUNING)
-        triton_forward = importlib.reload(triton_forward)
-        triton_forward.TUNING.update(tuning)
-        triton_backward = importlib.reload(triton_backward)
-        triton_backward_blocked = importlib.reload(triton_backward_blocked)
-        triton_forward_blocked = importlib.reload(triton_forward_blocked)
-    return triton_forward, triton_backward
 
 
 def _dot_precision(device: torch.device) -> str:
@@ -65,7 +44,6 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
     """None when the Triton kernels can run these (already validated) arguments, else why not.
 
     Shapes: q, k, g, b ``[B, T, H, K]``; v, w ``[B, T, H, V]``; initial_state ``[B, H, K, V]`` or None.
-    ``chunk_size`` is accepted for any value (the kernels use chunks of 64).
     """
     tensors = (q, k, v, g, b, w) + (() if initial_state is None else (initial_state,))
     device = q.device
@@ -77,6 +55,8 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
         return f"dtype {str(q.dtype).rsplit('.', 1)[-1]} not supported by the Triton kernels (float16, bfloat16, float32)"
     if initial_state is not None and initial_state.dtype != torch.float32:
         return f"initial_state dtype {str(initial_state.dtype).rsplit('.', 1)[-1]}; the kernels keep the state in float32"
+    if chunk_size != CHUNK:
+        return f"chunk_size={chunk_size}; the Triton kernels use chunks of {CHUNK}"
     K, V = q.shape[-1], v.shape[-1]
     if K > MAX_DIM:
         return f"K={K} > {MAX_DIM}"
@@ -101,10 +81,6 @@ class TritonGDN2(torch.autograd.Function):
         Uw = torch.empty(B, H, N * CHUNK, V, **f32)
         P = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
         inverse = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
-        forward_kernels, _ = _kernels()
-        intra_forward = forward_kernels.intra_forward
-        if forward_kernels.TUNING.get("intra_forward_blocked"):
-            intra_forward = triton_forward_blocked.intra_forward_blocked
         intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, precision)
 
         initial = None if initial_state is None else initial_state.contiguous()
@@ -112,7 +88,7 @@ class TritonGDN2(torch.autograd.Function):
         states = torch.empty(B, H, N, K, V, **f32)
         U = torch.empty(B, H, N * CHUNK, V, **f32)
         final_state = torch.empty(B, H, K, V, **f32)
-        forward_kernels.state_forward(q, k, G, Wk, Uw, P, initial, o, states, U, final_state, scale, precision)
+        state_forward(q, k, G, Wk, Uw, P, initial, o, states, U, final_state, scale, precision)
 
         ctx.save_for_backward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, states, U)
         ctx.scale = scale
@@ -136,14 +112,10 @@ class TritonGDN2(torch.autograd.Function):
         d_leaving = torch.empty_like(states)
         d_U = torch.empty_like(U)
         d_initial = torch.empty(B, H, K, V, **f32) if ctx.has_initial else None
-        _, backward_kernels = _kernels()
-        backward_kernels.state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
+        state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
 
         dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
         dv, dw = torch.empty_like(v), torch.empty_like(w)
-        intra_backward = backward_kernels.intra_backward
-        if triton_forward.TUNING.get("intra_backward_blocked"):
-            intra_backward = triton_backward_blocked.intra_backward_blocked
         intra_backward(
             q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
             dq, dk, dv, dg, db, dw, ctx.scale, ctx.precision,
@@ -151,12 +123,12 @@ class TritonGDN2(torch.autograd.Function):
         return dq, dk, dv, dg, db, dw, d_initial, None, None
 
 
-def chunk_gdn2(q, k, v, g, b, w, scale: float, initial_state, output_final_state: bool, chunk_size: int):
+def triton_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bool):
     """GDN-2 through the Triton kernels.
 
     Args: q, k, g, b ``[B, T, H, K]`` and v, w ``[B, T, H, V]`` (float16, bfloat16 or float32, one
     dtype); ``scale`` resolved; ``initial_state`` ``[B, H, K, V]`` float32 or None (zeros, no
-    gradient); ``chunk_size`` ignored (fixed internal chunks of 64, mathematically identical).
+    gradient).
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] float32 or None)``;
     differentiable in q, k, v, g, b, w and initial_state, including through final_state.

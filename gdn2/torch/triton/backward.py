@@ -1,19 +1,24 @@
-"""A key-blocked variant of ``intra_backward`` (opt-in: ``TUNING["intra_backward_blocked"] = True``).
+"""Triton backward kernels of the chunked GDN-2 form: the exact adjoint of ``forward.py``.
 
-Same mathematics as ``triton_backward._intra_backward_kernel``, arranged to keep few registers
-live (the first version holds about twelve [64, K] float32 tiles and spills kilobytes per
-thread, which the H200 profile blames for 86% of the time):
+Two launches (the equations are those of ``gdn2.chunk.backward``):
 
-1. a loop over value blocks builds ``dP`` and the value part of ``dA`` ([64, 64]) and writes dv, dw;
-2. a loop over key blocks of ``BKB`` columns adds ``-(inverse^T dWk) Wk^T`` to ``dA``;
-3. ``dA`` and ``dP`` go to scratch memory, so that the diagonal-block loop reads the entries
-   (i, i - d) and (j + d, j) as plain row-indexed vectors (no [64, 64] select and reduce, no
-   layout conversion);
-4. a loop over key blocks does everything else for its ``BKB`` columns: the state contractions
-   (again over value blocks), the WY adjoint, the pair adjoints and dg, and stores dq, dk, db, dg.
+* ``state_backward`` (one program per head and block of value columns, reverse over chunks):
+  the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
+  values ``d_U = scale P^T dO + Kd d_leaving``; finally the gradient of the initial state.
+* ``intra_backward`` (one program per chunk and head, parallel): everything else, arranged so
+  that few registers are live (no full [64, K] float32 tiles):
 
-Not yet run on a GPU (written after the session's device time was spent): verified under the
-Triton interpreter against the spec; compiled for sm_90a here for shared memory and spills.
+  1. a loop over value blocks builds ``dP`` and the value part of ``dA`` ([64, 64]) and writes
+     dv, dw;
+  2. a loop over key blocks adds ``-(inverse^T dWk) Wk^T`` to ``dA``;
+  3. ``dA`` and ``dP`` go to scratch memory, so that the diagonal-block loop reads the entries
+     (i, i - d) and (j + d, j) as plain row-indexed vectors;
+  4. a loop over key blocks does the rest for its columns: the state contractions, the WY
+     adjoint, the adjoints of the gated bilinear forms ``A`` and ``P`` (same safe exponents as
+     the forward: window sums on the diagonal 16x16 blocks, anchors off the diagonal), and the
+     reverse cumulative sum that turns the gradient of ``G`` into that of ``g``. P's diagonal and
+     the k-to-end and gamma terms go straight to dq, dk and dg (they cancel in dG only to
+     rounding).
 """
 
 from __future__ import annotations
@@ -21,11 +26,86 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import CHUNK, TUNING
+from .forward import CHUNK, STATE_WARPS, value_block
 
 
 @triton.jit
-def _intra_backward_blocked_kernel(
+def _state_backward_kernel(
+    q, k, G, Wk, P, d_o,  # q, k [B,T,H,K]; G, Wk [B,H,N*C,K]; P [B,H,N,C,C]; d_o [B,T,H,V]
+    d_final, d_leaving, d_U, d_initial,  # [B,H,K,V], [B,H,N,K,V], [B,H,N*C,V], [B,H,K,V]
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, C)
+    cols_c = tl.arange(0, C)
+    cols_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    k_ok = cols_k < K
+    v_ok = cols_v < V
+    state_offsets = cols_k[:, None] * V + cols_v[None, :]
+    state_mask = k_ok[:, None] & v_ok[None, :]
+    if HAS_FINAL:
+        d_state = tl.load(d_final + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
+    else:
+        d_state = tl.zeros((BK, BV), dtype=tl.float32)
+    for step in range(N):
+        i_n = N - 1 - step
+        tl.store(d_leaving + (i_bh * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
+        t = i_n * C + rows
+        row_ok = t < T
+        padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
+        key_offsets = i_b * T * H * K + t[:, None] * (H * K) + i_h * K + cols_k[None, :]
+        key_mask = row_ok[:, None] & k_ok[None, :]
+        value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
+        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+
+        G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
+        G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
+        k_to_end = tl.load(k + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_last[None, :] - G_tile)
+        P_tile = tl.load(P + (i_bh * N + i_n) * C * C + rows[:, None] * C + cols_c[None, :])
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(k_to_end, d_state, input_precision=DOT)
+        tl.store(d_U + i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+
+        q_decayed = tl.load(q + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_tile)
+        Wk_tile = tl.load(Wk + padded_k, mask=k_ok[None, :], other=0.0)
+        d_state = (
+            d_state * tl.exp(G_last)[:, None]
+            + tl.dot(tl.trans(q_decayed), d_out, input_precision=DOT)
+            - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
+        )
+    if STORE_INITIAL:
+        tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
+
+
+def state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str) -> None:
+    """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``)."""
+    B, T, H, K = q.shape
+    V = d_o.shape[-1]
+    N = d_leaving.shape[2]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = value_block(V, B * H)
+    _state_backward_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, G, Wk, P, d_o,
+        d_final if d_final is not None else d_leaving, d_leaving, d_U,
+        d_initial if d_initial is not None else d_leaving,
+        scale, T, H, K, V, N, BK=BK, BV=BV, C=CHUNK,
+        HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
+        num_warps=STATE_WARPS, num_stages=1,
+    )
+
+# Launch settings measured on an H200 (bench/RESULTS.md): 32 key columns per block (16 was
+# slower); 8 warps (16 faulted with Triton 3.6).
+INTRA_BACKWARD_KEY_BLOCK = 32
+INTRA_BACKWARD_VALUE_BLOCK = 32
+INTRA_BACKWARD_WARPS = 8
+
+@triton.jit
+def _intra_backward_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K|V]
     G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,  # saved / from state_backward
     d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32, written and read here
@@ -87,7 +167,7 @@ def _intra_backward_blocked_kernel(
                           mask=k_ok[None, :], other=0.0)
         d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
-    # P's diagonal (E_ii = 1) goes straight to dq and dk, not through dG (see triton_backward).
+    # P's diagonal (E_ii = 1) goes straight to dq and dk, not through dG.
     d_P_diagonal = tl.sum(tl.where(cols_c[None, :] == rows[:, None], d_P, 0.0), 1)
     d_P = tl.where(cols_c[None, :] < rows[:, None], d_P, 0.0)
     tl.store(d_A_scratch + chunk_matrix, d_A)
@@ -208,20 +288,20 @@ def _intra_backward_blocked_kernel(
         tl.store(dg + key_offsets, d_g.to(dg.dtype.element_ty), mask=mask)
 
 
-def intra_backward_blocked(
+def intra_backward(
     q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
     dq, dk, dv, dg, db, dw, scale: float, dot_precision: str,
 ) -> None:
-    """Launch the key-blocked parallel backward (same arguments and outputs as ``intra_backward``)."""
+    """Launch the parallel backward over chunks (writes dq, dk, dv, dg, db, dw)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = inverse.shape[2]
     d_A_scratch = inverse.new_empty(inverse.shape)
     d_P_scratch = inverse.new_empty(inverse.shape)
-    BKB = min(TUNING.get("blocked_key_block", 16), max(16, triton.next_power_of_2(K)))
-    BV = min(TUNING["intra_backward_block_v"], max(16, triton.next_power_of_2(V)))
-    _intra_backward_blocked_kernel[(N, B * H)](
+    BKB = min(INTRA_BACKWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
+    BV = min(INTRA_BACKWARD_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))
+    _intra_backward_kernel[(N, B * H)](
         q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U, d_A_scratch, d_P_scratch,
         dq, dk, dv, dg, db, dw, scale, T, H, K, V, N,
-        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=TUNING["intra_backward_warps"], num_stages=1,
+        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )

@@ -57,7 +57,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .metal_source import (
+from .scan_source import (
     BACKWARD_INPUTS,
     BACKWARD_OUTPUTS,
     BACKWARD_SOURCE,

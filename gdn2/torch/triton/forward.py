@@ -24,22 +24,16 @@ start, length) table in place of ``n * 64`` and ``T`` (not implemented yet).
 
 from __future__ import annotations
 
-import json
-import os
-
 import triton
 import triton.language as tl
 
 CHUNK = 64
 
-# Launch settings, chosen by measurement on an H200 (bench/NOTES_triton.md); the benchmark may
-# override them to compare variants.
-# (8 warps in the sequential passes and 16 in intra_backward faulted on the H200 with Triton 3.6.)
-TUNING = dict(intra_forward_warps=8, state_warps=4, intra_backward_warps=8, intra_backward_block_v=32,
-              state_min_programs=256,
-              # opt-in, not yet measured on a GPU: the key-blocked in-chunk kernels
-              intra_forward_blocked=False, intra_backward_blocked=False, blocked_key_block=16)
-TUNING.update(json.loads(os.environ.get("GDN2_TRITON_TUNING", "{}")))
+# Launch settings measured on an H200 (bench/RESULTS.md); 8 warps in the sequential passes
+# faulted there with Triton 3.6.
+INTRA_FORWARD_WARPS = 8
+STATE_WARPS = 4
+STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
 
 @triton.jit
@@ -213,7 +207,7 @@ def intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, dot_precision: str) -
     BV = min(64, max(16, triton.next_power_of_2(V)))
     _intra_forward_kernel[(N, B * H)](
         q, k, v, g, b, w, G, Wk, Uw, P, inverse, T, H, K, V, N,
-        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=TUNING["intra_forward_warps"], num_stages=1,
+        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
 
 
@@ -271,7 +265,7 @@ def value_block(V: int, programs_per_block: int) -> int:
     """Columns of V per program in the sequential passes: smaller blocks when there are few heads,
     so that the GPU has enough programs (at least about two per multiprocessor)."""
     block = min(64, max(16, triton.next_power_of_2(V)))
-    while block > 16 and programs_per_block * triton.cdiv(V, block) < TUNING["state_min_programs"]:
+    while block > 16 and programs_per_block * triton.cdiv(V, block) < STATE_MIN_PROGRAMS:
         block //= 2
     return block
 
@@ -292,5 +286,5 @@ def state_forward(
         scale, T, H, K, V, N,
         BK=BK, BV=BV, C=CHUNK,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        num_warps=TUNING["state_warps"], num_stages=1,
+        num_warps=STATE_WARPS, num_stages=1,
     )
