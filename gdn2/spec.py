@@ -16,6 +16,7 @@ truth every path of every framework is tested against.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,17 +48,73 @@ def _dtype_name(x) -> str:
     return str(x.dtype).rsplit(".", 1)[-1]
 
 
-def validate(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int = 64, cu_seqlens=None) -> Dims:
-    """Check shapes, dtypes and arguments of a GDN-2 call; return its sizes.
+ARRAY_TYPES = {"numpy": "numpy.ndarray", "torch": "torch.Tensor", "mlx": "mlx.core.array"}
 
-    Works on numpy, torch and mlx arrays (it only reads ``.shape``, ``.dtype`` and, for
-    ``cu_seqlens``, the values). Every mismatch raises a ``ValueError`` that names the argument,
-    the expected and the received shape or dtype.
+
+def array_kind(x) -> str | None:
+    """``"numpy"``, ``"torch"`` or ``"mlx"`` for an array of that library; None for anything else.
+
+    The libraries are looked up in ``sys.modules`` only: an array of a library nobody imported
+    cannot exist, so nothing is imported here.
+    """
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    mx = sys.modules.get("mlx.core")
+    if mx is not None and isinstance(x, mx.array):
+        return "mlx"
+    return None
+
+
+def _type_name(x) -> str:
+    kind = array_kind(x)
+    return ARRAY_TYPES[kind] if kind is not None else type(x).__name__
+
+
+def check_array_types(arrays: dict, framework: str | None = None) -> str:
+    """Check that every non-None value of ``{name: array}`` is an array of one library; return it.
+
+    ``framework`` (``"numpy"``, ``"torch"`` or ``"mlx"``) is the library the caller works in;
+    None takes the library of the first value. Torch tensors must also share the first one's
+    device. A mismatch raises ``ValueError`` naming the argument, the expected and the received
+    type (or device).
+    """
+    given = {name: x for name, x in arrays.items() if x is not None}
+    first_name, first = next(iter(given.items()))
+    expected = framework if framework is not None else array_kind(first)
+    if expected is None:
+        raise ValueError(
+            f"{first_name}: expected an array ({', '.join(ARRAY_TYPES.values())}), received {type(first).__name__}"
+        )
+    like = "" if framework is not None else f" (the type of {first_name})"
+    for name, x in given.items():
+        if array_kind(x) != expected:
+            raise ValueError(f"{name}: expected {ARRAY_TYPES[expected]}{like}, received {_type_name(x)}")
+    if expected == "torch":
+        for name, x in given.items():
+            if x.device != first.device:
+                raise ValueError(
+                    f"{name}: expected a tensor on {first.device} (the device of {first_name}), received one on {x.device}"
+                )
+    return expected
+
+
+def validate(
+    q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int = 64, cu_seqlens=None, *, framework: str | None = None
+) -> Dims:
+    """Check types, shapes, dtypes and arguments of a GDN-2 call; return its sizes.
+
+    Works on numpy, torch and mlx arrays (it reads ``.shape``, ``.dtype``, torch's ``.device`` and,
+    for ``cu_seqlens``, the values). Every array argument must be an array of ``framework``
+    (``"numpy"``, ``"torch"`` or ``"mlx"``; None: the library of q), and torch tensors must be on
+    q's device. Every mismatch raises a ``ValueError`` that names the argument, the expected and
+    the received type, device, shape or dtype.
     """
     arrays = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    check_array_types(dict(arrays, initial_state=initial_state, cu_seqlens=cu_seqlens), framework)
     for name, x in arrays.items():
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{name}: expected an array of shape [B, T, H, D], received {type(x).__name__}")
         if len(x.shape) != 4:
             raise ValueError(f"{name}: expected 4 dimensions [B, T, H, D], received shape {list(_shape(x))}")
         if _dtype_name(x) not in ("float16", "bfloat16", "float32", "float64"):
@@ -85,6 +142,8 @@ def validate(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int =
             raise ValueError(f"{name}: expected dtype {dtype} (the dtype of q), received {_dtype_name(x)}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an integer >= 1, received {chunk_size!r}")
+    if isinstance(scale, (bool, np.bool_)):  # float(True) would be 1.0: a flag passed by mistake
+        raise ValueError(f"scale: expected a finite number > 0, received {scale!r}")
     if scale is not None:
         try:
             value = float(scale)
@@ -96,8 +155,6 @@ def validate(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int =
     if cu_seqlens is not None:
         N = validate_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
-        if not hasattr(initial_state, "shape"):
-            raise ValueError(f"initial_state: expected an array of shape {[N, H, K, V]}, received {type(initial_state).__name__}")
         if _shape(initial_state) != (N, H, K, V):
             rows = "N (sequences in cu_seqlens)" if cu_seqlens is not None else "B"
             raise ValueError(
@@ -112,10 +169,12 @@ def validate(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int =
 
 
 def validate_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
-    """Check packed-sequence offsets ``[N + 1]`` (0, ..., T, non-decreasing, integer); return N."""
+    """Check packed-sequence offsets ``[N + 1]`` (0, ..., T, non-decreasing, int32 or int64); return N."""
+    if array_kind(cu_seqlens) is None:
+        raise ValueError(f"cu_seqlens: expected an integer array of shape [N + 1], received {type(cu_seqlens).__name__}")
     if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, received {list(_shape(cu_seqlens))}")
-    if "int" not in _dtype_name(cu_seqlens):
+    if _dtype_name(cu_seqlens) not in ("int32", "int64"):  # uint8 and int16 would wrap long offsets
         raise ValueError(f"cu_seqlens: expected an integer dtype (int32 or int64), received {_dtype_name(cu_seqlens)}")
     if B != 1:
         raise ValueError(f"q: with cu_seqlens the batch size must be 1 (sequences packed along T), received B={B}")
