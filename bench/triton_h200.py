@@ -3,18 +3,21 @@
 One run does, in order (every result goes to the JSON file as soon as it exists):
 
 1. correctness on the GPU against the float64 spec (``gdn2.spec``) at small shapes, for gdn2's
-   kernel path and for the peer, with float32 and bfloat16 inputs: output, final state and every
-   gradient (a nonzero gradient flows into the final state);
+   kernel path (and flash-linear-attention's with ``--check-fla``), with float32 and bfloat16
+   inputs: output, final state and every gradient (a nonzero gradient flows into the final state);
 2. timing, side by side on the same inputs: forward and forward+backward in bfloat16 at the
-   issue's shapes, and the peak memory of one forward+backward;
-3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first shape.
+   three shapes, and the peak memory of one forward+backward;
+3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first shape;
+4. optionally (``--variants``) other launch settings of gdn2's kernels, each timed and checked.
 
 Usage (on the GPU machine)::
 
     python bench/triton_h200.py --profile --json results.json
 
-``--no-peer`` times gdn2 alone (the peer needs ``fla`` importable: ``fla-core`` and
-``flash-linear-attention`` 0.6.0).
+``--no-fla`` times gdn2 alone (flash-linear-attention needs ``fla`` importable: ``fla-core`` and
+``flash-linear-attention`` 0.6.0); ``--fla-shapes 0`` times it at the first shape only (it
+autotunes for minutes per new shape in a fresh process; ``TRITON_CACHE_AUTOTUNING=1`` with a kept
+``TRITON_CACHE_DIR`` saves that in later runs).
 """
 
 from __future__ import annotations
@@ -29,11 +32,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from gdn2.spec import reference_backward, reference_forward, random_inputs, relative_error  # noqa: E402
-from gdn2.torch import chunk_gdn2  # noqa: E402
-from gdn2.torch.chunk import which_path  # noqa: E402
+from gdn2.spec import reference_backward, reference_forward, random_inputs, relative_error
+from gdn2.torch import chunk_gdn2, which_path
+from gdn2.torch.triton import backward as triton_backward
+from gdn2.torch.triton import forward as triton_forward
 
 TIMING_SHAPES = [(8, 4096, 16, 128, 128), (2, 16384, 16, 128, 128), (16, 2048, 32, 64, 64)]
 # (B, T, H, K, V, log decay range): the issue's head sizes, T not a multiple of 64, K != V.
@@ -45,7 +47,15 @@ CHECK_SHAPES = [
     (1, 77, 2, 256, 96, (-20.0, 0.0)),
     (1, 1, 2, 48, 80, (-20.0, 0.0)),
 ]
-# Launch-setting variants of gdn2 timed at the first timing shape (``--variants``).
+# Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
+# timing shape and checked (``--variants``); the ones that risked a fault before come last.
+VARIANTS = [
+    dict(INTRA_FORWARD_WARPS=8),
+    dict(INTRA_FORWARD_WARPS=8, INTRA_FORWARD_KEY_BLOCK=16),
+    dict(STATE_MIN_PROGRAMS=512),
+    dict(OUTPUT_WARPS=8),
+    dict(STATE_WARPS=8),
+]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 
@@ -53,13 +63,23 @@ def gdn2_kernel(q, k, v, g, b, w, initial_state=None, output_final_state=False):
     return chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state, path="kernel")
 
 
-def peer_function():
+def fla_function():
     from fla.ops.gdn2 import chunk_gdn2 as fla_chunk_gdn2
 
-    def peer(q, k, v, g, b, w, initial_state=None, output_final_state=False):
+    def fla(q, k, v, g, b, w, initial_state=None, output_final_state=False):
         return fla_chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state)
 
-    return peer
+    return fla
+
+
+def set_launch(settings: dict) -> dict:
+    """Set launch constants of the kernel modules; returns the previous values."""
+    previous = {}
+    for name, value in settings.items():
+        module = triton_forward if hasattr(triton_forward, name) else triton_backward
+        previous[name] = getattr(module, name)
+        setattr(module, name, value)
+    return previous
 
 
 def check(function, shape, dtype, seed):
@@ -180,10 +200,12 @@ def profile(result, implementations, save):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="triton_h200.json")
-    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--fla-shapes", default="0,1,2", help="timing shapes at which flash-linear-attention runs")
+    parser.add_argument("--check-fla", action="store_true", help="also check flash-linear-attention's errors")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--variants", action="store_true", help="time and check gdn2 launch-setting variants")
     parser.add_argument("--no-check", action="store_true")
-    parser.add_argument("--check-only", default="", help="e.g. fla:bfloat16 to check one implementation and dtype")
     parser.add_argument("--shapes", default="0,1,2", help="indices into the timing shapes")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
@@ -193,15 +215,30 @@ def main():
 
     result["triton"] = triton.__version__
     implementations = {"gdn2": gdn2_kernel}
-    if not args.no_peer:
+    if not args.no_fla:
         import fla
 
         result["fla"] = fla.__version__
-        implementations["fla"] = peer_function()
+        implementations["fla"] = fla_function()
+    fla_shapes = {int(s) for s in args.fla_shapes.split(",") if s}
 
     def save():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+    def checked(name, function, dtype, index):
+        shape = CHECK_SHAPES[index]
+        try:
+            errors = check(function, shape, dtype, args.seed + index)
+        except Exception as error:  # report, keep going
+            errors = {"error": f"{type(error).__name__}: {error}"[:300]}
+        worst = max((v for v in errors.values() if isinstance(v, float)), default=math.inf)
+        row = dict(impl=name, dtype=str(dtype).rsplit(".", 1)[-1], shape=list(shape[:5]), log_decay=list(shape[5]),
+                   errors=errors, worst=worst)
+        print(f"check {name:5s} {row['dtype']:9s} {shape[:5]} g{shape[5]}: o {errors.get('o', math.nan):.2e} "
+              f"worst {worst:.2e} ({max(errors, key=lambda n: errors[n] if isinstance(errors[n], float) else 0)})",
+              flush=True)
+        return row
 
     probe = [torch.zeros(1, 1, 1, 8, device="cuda")] * 6
     result["path"] = str(which_path(*probe, path="kernel"))
@@ -210,24 +247,13 @@ def main():
     if not args.no_check:
         result["check"] = []
         for name, function in implementations.items():
+            if name == "fla" and not args.check_fla:
+                continue
             for dtype in (torch.float32, torch.bfloat16):
-                for i, shape in enumerate(CHECK_SHAPES):
-                    if (name == "fla" or dtype == torch.bfloat16) and i > 1:
-                        continue
-                    if args.check_only and args.check_only != f"{name}:{str(dtype).rsplit('.', 1)[-1]}":
-                        continue  # the peer's error at the issue's small shape (and strong decay)
-                    try:
-                        errors = check(function, shape, dtype, args.seed + i)
-                    except Exception as error:  # report, keep going
-                        errors = {"error": f"{type(error).__name__}: {error}"[:300]}
-                    row = dict(impl=name, dtype=str(dtype).rsplit(".", 1)[-1], shape=list(shape[:5]),
-                               log_decay=list(shape[5]), errors=errors)
-                    worst = max((v for v in errors.values() if isinstance(v, float)), default=math.inf)
-                    row["worst"] = worst
-                    result["check"].append(row)
-                    print(f"check {name:5s} {row['dtype']:9s} {shape[:5]} g{shape[5]}: o {errors.get('o', math.nan):.2e} "
-                          f"worst {worst:.2e} ({max(errors, key=lambda n: errors[n] if isinstance(errors[n], float) else 0)})",
-                          flush=True)
+                for index in range(len(CHECK_SHAPES)):
+                    if (name == "fla" or dtype == torch.bfloat16) and index > 1:
+                        continue  # both at the two small shapes (and strong decay); gdn2 also at the others
+                    result["check"].append(checked(name, function, dtype, index))
                     save()
 
     result["timing"] = []
@@ -235,6 +261,8 @@ def main():
         shape = TIMING_SHAPES[index]
         row = dict(shape=list(shape))
         for name, function in implementations.items():
+            if name == "fla" and index not in fla_shapes:
+                continue
             start = time.time()
             try:
                 row[name] = time_one(function, shape)
@@ -249,9 +277,21 @@ def main():
         if args.profile and "profile" not in result:
             profile(result, implementations, save)
 
+    if args.variants:
+        result["variants"] = []
+        for variant in VARIANTS:
+            previous = set_launch(variant)
+            try:
+                timing = time_one(gdn2_kernel, TIMING_SHAPES[0])
+                for dtype in (torch.float32, torch.bfloat16):  # a variant must be right, too
+                    timing[f"worst_{str(dtype).rsplit('.', 1)[-1]}"] = checked("gdn2", gdn2_kernel, dtype, 1)["worst"]
+            except Exception as error:
+                timing = {"error": f"{type(error).__name__}: {error}"[:300]}
+            set_launch(previous)
+            result["variants"].append(dict(variant=variant, **timing))
+            print("variant", variant, timing, flush=True)
+            save()
 
-    if args.profile and "profile" not in result:
-        profile(result, implementations, save)
     print("\n| shape B,T,H,K=V | gdn2 fwd ms | fla fwd ms | ratio | gdn2 fwd+bwd ms | fla fwd+bwd ms | ratio "
           "| gdn2 peak GiB | fla peak GiB | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -1,9 +1,10 @@
 """The Triton kernel path of ``gdn2.torch.chunk_gdn2``.
 
 ``unsupported_reason`` says whether the kernels can run a call; ``triton_gdn2`` runs it through a
-``torch.autograd.Function`` built from four launches:
+``torch.autograd.Function`` built from these launches:
 
-    forward:  intra_forward (parallel over chunks)  -> state_forward (sequential over chunks)
+    forward:  intra_forward (parallel over chunks) -> state_forward (sequential over chunks)
+              -> output (parallel)
     backward: state_backward (sequential, reverse)  -> intra_backward (parallel over chunks)
 
 The kernels use chunks of 64 tokens; another ``chunk_size`` is a reason they cannot run the call.
@@ -21,7 +22,7 @@ import os
 import torch
 
 from .backward import intra_backward, state_backward
-from .forward import CHUNK, intra_forward, state_forward
+from .forward import CHUNK, intra_forward, output, state_forward
 
 MAX_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,19 +77,20 @@ class TritonGDN2(torch.autograd.Function):
         device = q.device
         f32 = dict(dtype=torch.float32, device=device)
         precision = _dot_precision(device)
-        G = torch.empty(B, H, N * CHUNK, K, **f32)
-        Wk = torch.empty(B, H, N * CHUNK, K, **f32)
+        G, qd, kd, Wk = (torch.empty(B, H, N * CHUNK, K, **f32) for _ in range(4))
         Uw = torch.empty(B, H, N * CHUNK, V, **f32)
+        gamma = torch.empty(B, H, N, K, **f32)
         P = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
         inverse = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
-        intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, precision)
+        intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, inverse, precision)
 
         initial = None if initial_state is None else initial_state.contiguous()
-        o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
         states = torch.empty(B, H, N, K, V, **f32)
         U = torch.empty(B, H, N * CHUNK, V, **f32)
         final_state = torch.empty(B, H, K, V, **f32)
-        state_forward(q, k, G, Wk, Uw, P, initial, o, states, U, final_state, scale, precision)
+        state_forward(Wk, kd, Uw, gamma, initial, states, U, final_state, precision)
+        o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
+        output(qd, P, states, U, o, scale, precision)
 
         ctx.save_for_backward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, states, U)
         ctx.scale = scale

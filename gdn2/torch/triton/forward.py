@@ -1,25 +1,37 @@
 """Triton forward kernels of the chunked GDN-2 form (see ``gdn2/chunk.py`` for the mathematics).
 
-Two launches:
+Three launches:
 
-* ``intra_forward`` (one program per chunk and head, parallel): the cumulative log decay ``G``,
-  the erase interactions ``A`` and query-key interactions ``P``, the inverse of ``I + A`` and the
-  WY products ``Wk = inverse @ (b * k * exp(G))`` and ``Uw = inverse @ (w * v)``.
+* ``intra_forward`` (one program per chunk and head, parallel): the erase interactions ``A`` and
+  query-key interactions ``P`` as 16x16 register tiles, the inverse ``X = (I + A)^{-1}``, the WY
+  products ``Wk = X (b * k * exp(G))`` and ``Uw = X (w * v)``, and the decayed keys and queries
+  the other two launches use: ``qd = q * exp(G)``, ``kd = k * exp(G_last - G)``,
+  ``gamma = exp(G_last)``.
 * ``state_forward`` (one program per head and block of value columns, sequential over chunks):
-  carries the state, writes the state entering each chunk, the new values ``U`` and the output.
+  carries the state ``S``; writes the state entering each chunk and the new values
+  ``U = Uw - Wk S``; ``S <- gamma * S + kd^T U``.
+* ``output`` (one program per chunk, head and block of value columns, parallel):
+  ``o = scale * (qd S + P U)``.
 
-Chunks are ``CHUNK = 64`` tokens, split into four sub-chunks of 16 for the in-chunk decays.
+Chunks are ``CHUNK = 64`` tokens, four sub-blocks of 16.
 
-Numerics (log decays down to -20 per step, so ``-G`` passes 88 within 5 steps): no exponent in
-these kernels is positive. Inside a diagonal 16x16 sub-block the decay ``exp(G_i - G_j)`` is
-computed per channel from the window sum ``g_{j+1} + ... + g_i`` (loop over the offset
-``d = i - j``); an off-diagonal sub-block I > J is a matrix product through the anchor
-``a = G[16 I - 1]``: ``(X_I exp(G_I - a)) @ (Y_J exp(a - G_J))^T``, both factors <= 1.
+Numerics (log decays down to -20 per step, or a hard reset ``g = -inf``): every exponent is a sum
+of log decays over a span, summed directly (never a difference of cumulative sums, which in
+float32 would lose the low digits next to a large step), and never positive. With ``L`` the
+inclusive prefix sum inside a sub-block, ``R`` the exclusive suffix sum inside it and ``t_M`` the
+decay of a whole sub-block:
+
+* an off-diagonal tile (I > J) is a matrix product ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T``
+  over the sub-blocks M strictly between, all factors <= 1;
+* a diagonal tile is built one column j at a time, ``E_j[i] = E_{j+1}[i] e^{g_{j+1}}`` for
+  ``i > j`` (products of per-step decays, one exponential per step and channel);
+* ``exp(G_i) = e^{L_i} prod_{M<I} t_M`` and ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``.
+
+Masks are selects (``tl.where``), never multiplications, so ``-inf`` never meets a zero.
 
 Internal buffers are head-major and padded to whole chunks: ``[B, H, N * 64, D]`` (rows past T
-are zero), chunk matrices ``[B, H, N, 64, 64]``, states ``[B, H, N, K, V]``. Each program finds its
-rows from (chunk, head) alone, so packed variable-length batches only need a chunk -> (sequence
-start, length) table in place of ``n * 64`` and ``T`` (not implemented yet).
+are zero), chunk matrices ``[B, H, N, 64, 64]``, states ``[B, H, N, K, V]``, ``gamma``
+``[B, H, N, K]``.
 """
 
 from __future__ import annotations
@@ -29,10 +41,11 @@ import triton.language as tl
 
 CHUNK = 64
 
-# Launch settings measured on an H200 (bench/RESULTS.md); 8 warps in the sequential passes
-# faulted there with Triton 3.6.
-INTRA_FORWARD_WARPS = 8
+# Launch settings (bench/RESULTS.md has the measurements they come from).
+INTRA_FORWARD_WARPS = 4
+INTRA_FORWARD_KEY_BLOCK = 32
 STATE_WARPS = 4
+OUTPUT_WARPS = 4
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
 
@@ -49,182 +62,306 @@ def _inverse_unit_lower_16(A):
 
 
 @triton.jit
-def _load_tile16(base, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr):
-    r = tl.arange(0, 16)
-    return tl.load(base + (I * 16 + r[:, None]) * C + J * 16 + r[None, :])
+def _ieee(a, b):
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _store_tile16(base, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, x):
+def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
+    """Store a 16x16 tile at rows 16 I, columns 16 J of a [64, 64] chunk matrix."""
     r = tl.arange(0, 16)
-    tl.store(base + (I * 16 + r[:, None]) * C + J * 16 + r[None, :], x)
+    tl.store(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :], tile)
 
 
 @triton.jit
-def _invert_chunk_in_place(base, C: tl.constexpr):
-    """Overwrite the strictly lower ``A`` [64, 64] at ``base`` with ``(I + A)^{-1}``.
+def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
+    """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
 
-    Diagonal 16x16 blocks by forward substitution, then the blocked formula
-    ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` with exact fp32 products (tiny dots).
-    The caller puts barriers around this (the matrix goes through memory to be cut into tiles).
+    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
+    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
     """
-    A00 = _load_tile16(base, 0, 0, C)
-    A11 = _load_tile16(base, 1, 1, C)
-    A22 = _load_tile16(base, 2, 2, C)
-    A33 = _load_tile16(base, 3, 3, C)
-    A10 = _load_tile16(base, 1, 0, C)
-    A20 = _load_tile16(base, 2, 0, C)
-    A21 = _load_tile16(base, 2, 1, C)
-    A30 = _load_tile16(base, 3, 0, C)
-    A31 = _load_tile16(base, 3, 1, C)
-    A32 = _load_tile16(base, 3, 2, C)
-    X00 = _inverse_unit_lower_16(A00)
-    X11 = _inverse_unit_lower_16(A11)
-    X22 = _inverse_unit_lower_16(A22)
-    X33 = _inverse_unit_lower_16(A33)
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(
-        X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"), input_precision="ieee"
-    )
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(
-        X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"), input_precision="ieee"
-    )
-    X30 = -tl.dot(
-        X33,
-        tl.dot(A30, X00, input_precision="ieee")
-        + tl.dot(A31, X10, input_precision="ieee")
-        + tl.dot(A32, X20, input_precision="ieee"),
-        input_precision="ieee",
-    )
-    _store_tile16(base, 0, 0, C, X00)
-    _store_tile16(base, 1, 1, C, X11)
-    _store_tile16(base, 2, 2, C, X22)
-    _store_tile16(base, 3, 3, C, X33)
-    _store_tile16(base, 1, 0, C, X10)
-    _store_tile16(base, 2, 0, C, X20)
-    _store_tile16(base, 2, 1, C, X21)
-    _store_tile16(base, 3, 0, C, X30)
-    _store_tile16(base, 3, 1, C, X31)
-    _store_tile16(base, 3, 2, C, X32)
+    r = tl.arange(0, 16)
+    t = t0 + I * 16 + r
+    ok = (t < T)[:, None] & col_ok[None, :]
+    offsets = key_base + t[:, None] * HK + cols[None, :]
+    q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
+    k_tile = tl.load(k + offsets, mask=ok, other=0.0).to(tl.float32)
+    bk = tl.load(b + offsets, mask=ok, other=0.0).to(tl.float32) * k_tile
+    g_tile = tl.load(g + offsets, mask=ok, other=0.0).to(tl.float32)
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
+    g_next = tl.load(g + offsets + HK, mask=next_ok, other=0.0).to(tl.float32)
+    L = tl.cumsum(g_tile, 0)
+    R = tl.cumsum(g_next, 0, reverse=True)
+    total = tl.sum(g_tile, 0)
+    return q_tile, k_tile, bk, L, R, total
+
+
+@triton.jit
+def _diagonal_tiles(k, g, q_tile, bk, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, A_II, P_II):
+    """Add one key block's share of the diagonal tiles ``A_II`` (strictly lower) and ``P_II``.
+
+    Column j at a time, from the last: ``E[i] = exp(g_{j+1} + ... + g_i)`` for ``i >= j`` (1 at
+    ``i = j``, 0 above), updated by one per-step decay, so every pair keeps its own span.
+    """
+    r = tl.arange(0, 16)
+    E = tl.zeros(q_tile.shape, dtype=tl.float32)
+    for step in range(16):
+        j = 15 - step
+        t_j = t0 + I * 16 + j + 0 * cols  # the row's token, as a vector (masks need one)
+        k_j = tl.load(k + key_base + t_j * HK + cols, mask=col_ok & (t_j < T), other=0.0).to(tl.float32)
+        g_next = tl.load(g + key_base + (t_j + 1) * HK + cols, mask=col_ok & (t_j + 1 < T) & (t_j < t0 + I * 16 + 15), other=0.0)
+        E = tl.where(r[:, None] > j, E * tl.exp(g_next.to(tl.float32))[None, :], tl.where(r[:, None] == j, 1.0, 0.0))
+        kE = E * k_j[None, :]
+        a_column = tl.sum(bk * kE, 1)
+        p_column = tl.sum(q_tile * kE, 1)
+        A_II += tl.where((r[None, :] == j) & (r[:, None] > j), a_column[:, None], 0.0)
+        P_II += tl.where((r[None, :] == j) & (r[:, None] >= j), p_column[:, None], 0.0)
+    return A_II, P_II
 
 
 @triton.jit
 def _intra_forward_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
-    G_out, Wk_out, Uw_out,  # [B, H, N * C, K | K | V] float32
-    P_out, inverse_out,  # [B, H, N, C, C] float32
+    G_out, qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
+    Uw_out,  # [B, H, N * 64, V]
+    gamma_out,  # [B, H, N, K] float32
+    P_out, X_out,  # [B, H, N, 64, 64] float32
     T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    rows = tl.arange(0, C)
-    cols_c = tl.arange(0, C)
-    cols_k = tl.arange(0, BK)
-    k_ok = cols_k < K
-    t = i_n * C + rows
-    row_ok = t < T
-    key_in = i_b * T * H * K + i_h * K  # + t * H * K + column
-    key_offsets = key_in + t[:, None] * (H * K) + cols_k[None, :]
-    mask = row_ok[:, None] & k_ok[None, :]
+    r = tl.arange(0, 16)
+    t0 = i_n * 64
+    HK = H * K
+    key_base = i_b * T * HK + i_h * K  # + t * H * K + column
 
-    g_tile = tl.load(g + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    G = tl.cumsum(g_tile, 0)
-    padded = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
-    tl.store(G_out + padded, G, mask=k_ok[None, :])
-    q_tile = tl.load(q + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    k_tile = tl.load(k + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    bk = tl.load(b + key_offsets, mask=mask, other=0.0).to(tl.float32) * k_tile
+    A00 = tl.zeros((16, 16), dtype=tl.float32)
+    A11 = tl.zeros((16, 16), dtype=tl.float32)
+    A22 = tl.zeros((16, 16), dtype=tl.float32)
+    A33 = tl.zeros((16, 16), dtype=tl.float32)
+    A10 = tl.zeros((16, 16), dtype=tl.float32)
+    A20 = tl.zeros((16, 16), dtype=tl.float32)
+    A21 = tl.zeros((16, 16), dtype=tl.float32)
+    A30 = tl.zeros((16, 16), dtype=tl.float32)
+    A31 = tl.zeros((16, 16), dtype=tl.float32)
+    A32 = tl.zeros((16, 16), dtype=tl.float32)
+    P00 = tl.zeros((16, 16), dtype=tl.float32)
+    P11 = tl.zeros((16, 16), dtype=tl.float32)
+    P22 = tl.zeros((16, 16), dtype=tl.float32)
+    P33 = tl.zeros((16, 16), dtype=tl.float32)
+    P10 = tl.zeros((16, 16), dtype=tl.float32)
+    P20 = tl.zeros((16, 16), dtype=tl.float32)
+    P21 = tl.zeros((16, 16), dtype=tl.float32)
+    P30 = tl.zeros((16, 16), dtype=tl.float32)
+    P31 = tl.zeros((16, 16), dtype=tl.float32)
+    P32 = tl.zeros((16, 16), dtype=tl.float32)
 
-    # Off-diagonal 16x16 blocks (rows in sub-chunk I, columns before it) through the anchor row
-    # 16 I - 1: both exponents are <= 0.
-    A = tl.zeros((C, C), dtype=tl.float32)
-    P = tl.zeros((C, C), dtype=tl.float32)
-    for I in range(1, C // 16):
-        anchor = tl.sum(tl.where(rows[:, None] == I * 16 - 1, G, 0.0), 0)
-        in_block = (rows >= I * 16) & (rows < I * 16 + 16)
-        before = rows < I * 16
-        left = tl.exp(tl.where(in_block[:, None], G - anchor[None, :], float("-inf")))
-        right_k = k_tile * tl.exp(tl.where(before[:, None], anchor[None, :] - G, float("-inf")))
-        A += tl.dot(bk * left, tl.trans(right_k), input_precision=DOT)
-        P += tl.dot(q_tile * left, tl.trans(right_k), input_precision=DOT)
+    # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
+    # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        A00, P00 = _diagonal_tiles(k, g, q0, bk0, key_base, t0, 0, T, HK, cols, col_ok, A00, P00)
+        right0 = k0_ * tl.exp(R0)
 
-    # Diagonal 16x16 blocks, one offset d = i - j at a time: exp(G_i - G_{i-d}) is
-    # exp(g_{i-d+1} + ... + g_i), a window sum of at most 15 log decays, per channel.
-    window = tl.zeros((C, BK), dtype=tl.float32)
-    for d in range(0, 16):
-        if d > 0:
-            shifted = tl.load(
-                g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
-            ).to(tl.float32)
-            window += shifted
-        same_block = (rows % 16) >= d
-        decay = tl.exp(tl.where(same_block[:, None], window, float("-inf")))
-        k_before = tl.load(k + key_offsets - d * (H * K), mask=mask & (rows[:, None] >= d), other=0.0).to(tl.float32)
-        k_decayed = k_before * decay
-        on_diagonal = cols_c[None, :] == rows[:, None] - d
-        P += tl.where(on_diagonal, tl.sum(q_tile * k_decayed, 1)[:, None], 0.0)
-        if d > 0:
-            A += tl.where(on_diagonal, tl.sum(bk * k_decayed, 1)[:, None], 0.0)
+        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        A11, P11 = _diagonal_tiles(k, g, q1, bk1, key_base, t0, 1, T, HK, cols, col_ok, A11, P11)
+        left = tl.exp(L1)
+        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
+        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        decay1 = tl.exp(s1)
+        right0 = right0 * decay1[None, :]
+        right1 = k1 * tl.exp(R1)
 
-    chunk_matrix = (i_bh * N + i_n) * C * C + rows[:, None] * C + cols_c[None, :]
-    tl.store(P_out + chunk_matrix, P)
-    # The inverse goes through memory: A is written, cut into 16x16 tiles, inverted in place.
-    tl.store(inverse_out + chunk_matrix, A)
-    tl.debug_barrier()
-    _invert_chunk_in_place(inverse_out + (i_bh * N + i_n) * C * C, C)
-    tl.debug_barrier()
-    inverse = tl.load(inverse_out + chunk_matrix)
+        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        A22, P22 = _diagonal_tiles(k, g, q2, bk2, key_base, t0, 2, T, HK, cols, col_ok, A22, P22)
+        left = tl.exp(L2)
+        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
+        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
+        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
+        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        decay2 = tl.exp(s2)[None, :]
+        right0 = right0 * decay2
+        right1 = right1 * decay2
+        right2 = k2 * tl.exp(R2)
 
-    Wk = tl.dot(inverse, bk * tl.exp(G), input_precision=DOT)
-    tl.store(Wk_out + padded, Wk, mask=k_ok[None, :])
-    value_in = i_b * T * H * V + i_h * V
-    for v0 in tl.static_range(0, V, BV):
-        cols_v = v0 + tl.arange(0, BV)
-        v_mask = row_ok[:, None] & (cols_v < V)[None, :]
-        value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
-        wv = tl.load(w + value_offsets, mask=v_mask, other=0.0).to(tl.float32) * tl.load(
-            v + value_offsets, mask=v_mask, other=0.0
-        ).to(tl.float32)
-        Uw = tl.dot(inverse, wv, input_precision=DOT)
-        tl.store(
-            Uw_out + i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :], Uw, mask=(cols_v < V)[None, :]
-        )
+        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        A33, P33 = _diagonal_tiles(k, g, q3, bk3, key_base, t0, 3, T, HK, cols, col_ok, A33, P33)
+        left = tl.exp(L3)
+        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
+        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
+        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
+        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
+        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
+        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
+
+    # X = (I + A)^{-1}: diagonal tiles by forward substitution, the others by the blocked
+    # formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32 products).
+    X00 = _inverse_unit_lower_16(A00)
+    X11 = _inverse_unit_lower_16(A11)
+    X22 = _inverse_unit_lower_16(A22)
+    X33 = _inverse_unit_lower_16(A33)
+    X10 = -_ieee(X11, _ieee(A10, X00))
+    X21 = -_ieee(X22, _ieee(A21, X11))
+    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
+    X32 = -_ieee(X33, _ieee(A32, X22))
+    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
+    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
+
+    matrix = P_out + (i_bh * N + i_n) * 64 * 64
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    _store_tile(matrix, 0, 0, P00)
+    _store_tile(matrix, 0, 1, zero)
+    _store_tile(matrix, 0, 2, zero)
+    _store_tile(matrix, 0, 3, zero)
+    _store_tile(matrix, 1, 0, P10)
+    _store_tile(matrix, 1, 1, P11)
+    _store_tile(matrix, 1, 2, zero)
+    _store_tile(matrix, 1, 3, zero)
+    _store_tile(matrix, 2, 0, P20)
+    _store_tile(matrix, 2, 1, P21)
+    _store_tile(matrix, 2, 2, P22)
+    _store_tile(matrix, 2, 3, zero)
+    _store_tile(matrix, 3, 0, P30)
+    _store_tile(matrix, 3, 1, P31)
+    _store_tile(matrix, 3, 2, P32)
+    _store_tile(matrix, 3, 3, P33)
+    matrix = X_out + (i_bh * N + i_n) * 64 * 64
+    _store_tile(matrix, 0, 0, X00)
+    _store_tile(matrix, 0, 1, zero)
+    _store_tile(matrix, 0, 2, zero)
+    _store_tile(matrix, 0, 3, zero)
+    _store_tile(matrix, 1, 0, X10)
+    _store_tile(matrix, 1, 1, X11)
+    _store_tile(matrix, 1, 2, zero)
+    _store_tile(matrix, 1, 3, zero)
+    _store_tile(matrix, 2, 0, X20)
+    _store_tile(matrix, 2, 1, X21)
+    _store_tile(matrix, 2, 2, X22)
+    _store_tile(matrix, 2, 3, zero)
+    _store_tile(matrix, 3, 0, X30)
+    _store_tile(matrix, 3, 1, X31)
+    _store_tile(matrix, 3, 2, X32)
+    _store_tile(matrix, 3, 3, X33)
+
+    # Decayed queries and keys, G, gamma and Wk = X (b k e^G), one key block at a time.
+    padded = i_bh * N * 64 + i_n * 64  # first padded row of the chunk
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        rows_k = (padded + r[:, None]) * K + cols[None, :]
+        out_ok = (r[:, None] >= 0) & col_ok[None, :]
+        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        d1 = tl.exp(s1)
+        d2 = tl.exp(s2)
+        d3 = tl.exp(s3)
+        before1 = tl.exp(s0)
+        before2 = before1 * d1
+        before3 = before2 * d2
+        after2 = d3
+        after1 = d2 * d3
+        after0 = d1 * after1
+        gamma = before3 * d3
+        tl.store(gamma_out + (i_bh * N + i_n) * K + cols, gamma, mask=col_ok)
+
+        e0 = tl.exp(L0)
+        e1 = tl.exp(L1) * before1[None, :]
+        e2 = tl.exp(L2) * before2[None, :]
+        e3 = tl.exp(L3) * before3[None, :]
+        tl.store(G_out + rows_k, L0, mask=out_ok)
+        tl.store(G_out + rows_k + 16 * K, L1 + s0[None, :], mask=out_ok)
+        tl.store(G_out + rows_k + 32 * K, L2 + (s0 + s1)[None, :], mask=out_ok)
+        tl.store(G_out + rows_k + 48 * K, L3 + (s0 + s1 + s2)[None, :], mask=out_ok)
+        dtype = qd_out.dtype.element_ty
+        tl.store(qd_out + rows_k, (q0 * e0).to(dtype), mask=out_ok)
+        tl.store(qd_out + rows_k + 16 * K, (q1 * e1).to(dtype), mask=out_ok)
+        tl.store(qd_out + rows_k + 32 * K, (q2 * e2).to(dtype), mask=out_ok)
+        tl.store(qd_out + rows_k + 48 * K, (q3 * e3).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k, (k0_ * tl.exp(R0) * after0[None, :]).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k + 16 * K, (k1 * tl.exp(R1) * after1[None, :]).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k + 32 * K, (k2 * tl.exp(R2) * after2[None, :]).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k + 48 * K, (k3 * tl.exp(R3)).to(dtype), mask=out_ok)
+
+        y0 = bk0 * e0
+        y1 = bk1 * e1
+        y2 = bk2 * e2
+        y3 = bk3 * e3
+        dtype = Wk_out.dtype.element_ty
+        tl.store(Wk_out + rows_k, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
+        W1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
+        tl.store(Wk_out + rows_k + 16 * K, W1.to(dtype), mask=out_ok)
+        W2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
+        W2 += tl.dot(X22, y2, input_precision=DOT)
+        tl.store(Wk_out + rows_k + 32 * K, W2.to(dtype), mask=out_ok)
+        W3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
+        W3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
+        tl.store(Wk_out + rows_k + 48 * K, W3.to(dtype), mask=out_ok)
+
+    # Uw = X (w v), one value block at a time.
+    value_base = i_b * T * H * V + i_h * V
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        col_ok = cols < V
+        out_ok = (r[:, None] >= 0) & col_ok[None, :]
+        rows_v = (padded + r[:, None]) * V + cols[None, :]
+        t = t0 + r
+        ok = (t < T)[:, None] & col_ok[None, :]
+        offsets = value_base + t[:, None] * (H * V) + cols[None, :]
+        y0 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        ok = (t + 16 < T)[:, None] & col_ok[None, :]
+        offsets += 16 * H * V
+        y1 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        ok = (t + 32 < T)[:, None] & col_ok[None, :]
+        offsets += 16 * H * V
+        y2 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        ok = (t + 48 < T)[:, None] & col_ok[None, :]
+        offsets += 16 * H * V
+        y3 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        dtype = Uw_out.dtype.element_ty
+        tl.store(Uw_out + rows_v, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
+        W1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
+        tl.store(Uw_out + rows_v + 16 * V, W1.to(dtype), mask=out_ok)
+        W2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
+        W2 += tl.dot(X22, y2, input_precision=DOT)
+        tl.store(Uw_out + rows_v + 32 * V, W2.to(dtype), mask=out_ok)
+        W3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
+        W3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
+        tl.store(Uw_out + rows_v + 48 * V, W3.to(dtype), mask=out_ok)
 
 
-def intra_forward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, dot_precision: str) -> None:
-    """Launch the in-chunk kernel. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated
-    (``G, Wk``: ``[B, H, N * 64, K]``, ``Uw``: ``[B, H, N * 64, V]``, ``P, inverse``: ``[B, H, N, 64, 64]``,
-    all float32)."""
+def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
+    """Launch the in-chunk kernel. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated:
+    ``G, qd, kd, Wk`` ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma``
+    ``[B, H, N, K]`` and ``P, X`` ``[B, H, N, 64, 64]``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = P.shape[2]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
     _intra_forward_kernel[(N, B * H)](
-        q, k, v, g, b, w, G, Wk, Uw, P, inverse, T, H, K, V, N,
-        BK=BK, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, T, H, K, V, N,
+        BK=BK, BV=BV, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
 
 
 @triton.jit
 def _state_forward_kernel(
-    q, k, G, Wk, Uw, P,  # q, k [B, T, H, K]; G, Wk [B, H, N*C, K]; Uw [B, H, N*C, V]; P [B, H, N, C, C]
-    initial_state, o, states, U_out, final_state,  # [B,H,K,V], [B,T,H,V], [B,H,N,K,V], [B,H,N*C,V], [B,H,K,V]
-    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    Wk, kd, Uw, gamma,  # [B, H, N * 64, K | K | V], [B, H, N, K]
+    initial_state, states, U_out, final_state,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
+    K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    rows = tl.arange(0, C)
-    cols_c = tl.arange(0, C)
+    rows = tl.arange(0, 64)
     cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     k_ok = cols_k < K
@@ -236,27 +373,18 @@ def _state_forward_kernel(
     else:
         state = tl.zeros((BK, BV), dtype=tl.float32)
     for i_n in range(N):
-        tl.store(states + (i_bh * N + i_n) * K * V + state_offsets, state, mask=state_mask)
-        t = i_n * C + rows
-        row_ok = t < T
-        padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
-        padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-        Wk_tile = tl.load(Wk + padded_k, mask=k_ok[None, :], other=0.0)
-        U = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0) - tl.dot(Wk_tile, state, input_precision=DOT)
-        tl.store(U_out + padded_v, U, mask=v_ok[None, :])
-
-        G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
-        key_offsets = i_b * T * H * K + t[:, None] * (H * K) + i_h * K + cols_k[None, :]
-        key_mask = row_ok[:, None] & k_ok[None, :]
-        q_decayed = tl.load(q + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_tile)
-        P_tile = tl.load(P + (i_bh * N + i_n) * C * C + rows[:, None] * C + cols_c[None, :])
-        out = scale * (tl.dot(q_decayed, state, input_precision=DOT) + tl.dot(P_tile, U, input_precision=DOT))
-        value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        tl.store(o + value_offsets, out.to(o.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
-
-        G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
-        k_to_end = tl.load(k + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_last[None, :] - G_tile)
-        state = state * tl.exp(G_last)[:, None] + tl.dot(tl.trans(k_to_end), U, input_precision=DOT)
+        tl.store(states + (i_bh * N + i_n) * K * V + state_offsets, state.to(states.dtype.element_ty), mask=state_mask)
+        row0 = i_bh * N * 64 + i_n * 64
+        keys = (row0 + rows[:, None]) * K + cols_k[None, :]
+        values = (row0 + rows[:, None]) * V + cols_v[None, :]
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
+        decay = tl.load(gamma + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
+        U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        U -= tl.dot(Wk_tile, state.to(Wk_tile.dtype), input_precision=DOT)
+        U = U.to(U_out.dtype.element_ty)
+        tl.store(U_out + values, U, mask=v_ok[None, :])
+        state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U, input_precision=DOT)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
 
@@ -270,21 +398,58 @@ def value_block(V: int, programs_per_block: int) -> int:
     return block
 
 
-def state_forward(
-    q, k, G, Wk, Uw, P, initial_state, o, states, U, final_state, scale: float, dot_precision: str
-) -> None:
-    """Launch the sequential pass over chunks (writes ``o``, ``states``, ``U``, ``final_state``)."""
-    B, T, H, K = q.shape
-    V = o.shape[-1]
-    N = states.shape[2]
+def state_forward(Wk, kd, Uw, gamma, initial_state, states, U, final_state, dot_precision: str) -> None:
+    """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``)."""
+    B, H, N, K, V = states.shape
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, B * H)
     _state_forward_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, G, Wk, Uw, P,
+        Wk, kd, Uw, gamma,
         initial_state if initial_state is not None else states,
-        o, states, U, final_state if final_state is not None else states,
-        scale, T, H, K, V, N,
-        BK=BK, BV=BV, C=CHUNK,
+        states, U, final_state if final_state is not None else states,
+        K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         num_warps=STATE_WARPS, num_stages=1,
+    )
+
+
+@triton.jit
+def _output_kernel(
+    qd, P, states, U, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, T, H, V]
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, 64)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    v_ok = cols_v < V
+    row0 = i_bh * N * 64 + i_n * 64
+    U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
+    P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+    out = tl.dot(P_tile.to(U_tile.dtype), U_tile, input_precision=DOT)
+    state_base = (i_bh * N + i_n) * K * V
+    for k0 in range(0, K, BK):
+        cols_k = k0 + tl.arange(0, BK)
+        k_ok = cols_k < K
+        qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
+        S = tl.load(states + state_base + cols_k[:, None] * V + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        out += tl.dot(qd_tile, S.to(qd_tile.dtype), input_precision=DOT)
+    t = i_n * 64 + rows
+    offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
+    tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < T)[:, None] & v_ok[None, :])
+
+
+def output(qd, P, states, U, o, scale: float, dot_precision: str) -> None:
+    """Launch the output kernel (writes ``o`` ``[B, T, H, V]``)."""
+    B, T, H, V = o.shape
+    N, K = states.shape[2], states.shape[3]
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    _output_kernel[(triton.cdiv(V, BV), N, B * H)](
+        qd, P, states, U, o, scale, T, H, K, V, N,
+        BK=BK, BV=BV, DOT=dot_precision, num_warps=OUTPUT_WARPS, num_stages=1,
     )

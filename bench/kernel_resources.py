@@ -1,0 +1,133 @@
+"""Registers, spills and shared memory of every Triton kernel for the H100/H200 (sm_90a), without a GPU.
+
+Each kernel is compiled ahead of time with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` at
+the launch settings its launcher would use for the given shape, and its PTX goes through the
+``ptxas`` that Triton ships (``-arch=sm_90a -v``). Run on any machine with Triton installed::
+
+    python bench/kernel_resources.py --K 128 --V 128 --dtype bfloat16
+
+Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from gdn2.torch.triton import backward, forward
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _ptxas() -> str:
+    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):  # the newer one reads the PTX version Triton writes
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(f"no ptxas in {folder}")
+
+
+def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
+    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report)."""
+    names = kernel.arg_names
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = f"*{pointers[name]}"
+        else:
+            signature[name] = scalars.get(name, "i32")
+    source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(folder, "kernel.o")],
+                                capture_output=True, text=True, check=True).stderr
+    return compiled.metadata.shared, report
+
+
+def summary(report: str) -> str:
+    registers = re.search(r"Used (\d+) registers", report)
+    stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    text = f"{registers.group(1) if registers else '?'} registers"
+    if stack:
+        text += f", stack {stack.group(1)} B, spill stores {stack.group(2)} B, loads {stack.group(3)} B"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--K", type=int, default=128)
+    parser.add_argument("--V", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
+    inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
+    for name, (kernel, pointers, scalars, constants, warps) in kernels(args.K, args.V, inp, args.dot).items():
+        try:
+            shared, report = compile_kernel(kernel, pointers, scalars, constants, warps)
+            print(f"{name:16s} {warps} warps, shared {shared / 1024:.1f} KiB, {summary(report)}", flush=True)
+        except Exception as error:  # report every kernel, keep going
+            print(f"{name:16s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
+
+
+def kernels(K: int, V: int, inp: str, dot: str) -> dict:
+    """Each kernel with the pointer dtypes and constants its launcher uses for (K, V)."""
+    f32 = "fp32"
+    bk = max(16, triton.next_power_of_2(K))
+    out = {}
+    fk = forward
+    out["intra_forward"] = (
+        fk._intra_forward_kernel,
+        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, G_out=f32, qd_out=f32, kd_out=f32, Wk_out=f32,
+             Uw_out=f32, gamma_out=f32, P_out=f32, X_out=f32),
+        {}, dict(K=K, V=V, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), BV=min(32, max(16, triton.next_power_of_2(V))), DOT=dot),
+        fk.INTRA_FORWARD_WARPS,
+    )
+    out["state_forward"] = (
+        fk._state_forward_kernel,
+        dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, initial_state=f32, states=f32, U_out=f32, final_state=f32),
+        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot),
+        fk.STATE_WARPS,
+    )
+    out["output"] = (
+        fk._output_kernel,
+        dict(qd=f32, P=f32, states=f32, U=f32, o=inp), dict(scale="fp32"),
+        dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot),
+        fk.OUTPUT_WARPS,
+    )
+    bw = backward
+    out["state_backward"] = (
+        bw._state_backward_kernel,
+        dict(q=inp, k=inp, G=f32, Wk=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32),
+        dict(scale="fp32"),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), C=64, HAS_FINAL=True, STORE_INITIAL=True, DOT=dot),
+        fk.STATE_WARPS,
+    )
+    out["intra_backward"] = (
+        bw._intra_backward_kernel,
+        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, G=f32, Wk=f32, Uw=f32, inverse=f32, states=f32, U=f32,
+             d_o=inp, d_leaving=f32, d_U=f32, d_A_scratch=f32, d_P_scratch=f32,
+             dq=inp, dk=inp, dv=inp, dg=inp, db=inp, dw=inp),
+        dict(scale="fp32"),
+        dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, bk), BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(16, V)), C=64, DOT=dot),
+        bw.INTRA_BACKWARD_WARPS,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()
