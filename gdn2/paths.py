@@ -80,10 +80,10 @@ def run_kernel(framework: str, kernel_name: str, kernel_call, ops, inputs, cu_se
     """Run a kernel path's ``kernel_call(q, k, v, g, b, w, *args)``; None if it failed.
 
     Packed input (``cu_seqlens``) runs as a zero-padded batch of N rows, which is exact (see
-    ``gdn2.chunk.split_sequences``). A compile or launch failure is announced once, as giving way to
+    ``gdn2.algorithm.split_sequences``). A compile or launch failure is announced once, as giving way to
     ``fallback``, and the caller runs that path.
     """
-    from .chunk import join_sequences, split_sequences
+    from .algorithm import join_sequences, split_sequences
 
     try:
         if cu_seqlens is None:

@@ -1,6 +1,6 @@
 """A small array-namespace shim, so the chunked algorithm is written once for numpy, torch and MLX.
 
-The algorithm in ``gdn2/chunk.py`` uses only ``@``, broadcasting arithmetic, slicing, ``.reshape``
+The algorithm in ``gdn2/algorithm.py`` uses only ``@``, broadcasting arithmetic, slicing, ``.reshape``
 and the methods below. Each framework supplies one subclass (``gdn2/torch/xp.py``,
 ``gdn2/mlx/xp.py``); this module holds the numpy one, which the tests run in float64.
 """

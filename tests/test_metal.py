@@ -67,7 +67,8 @@ def run_kernel_path(case, chunk_size, geometry, with_grad=True):
     d_final = mx.array(case["d_final"].astype(np.float32))
 
     def loss(*inputs):
-        o, final = metal.chunk_gdn2(*inputs[:6], scale, inputs[6], True, chunk_size)
+        o, final = metal.metal_gdn2(*inputs[:6], scale=scale, initial_state=inputs[6], output_final_state=True,
+                                     checkpoint_interval=chunk_size)
         return (o.astype(mx.float32) * d_o).sum() + (final * d_final).sum(), (o, final)
 
     with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**(geometry or {})):
@@ -130,7 +131,7 @@ def test_decode_steps_continue_a_prefill(seed):
     with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
         for t in range(T):
             step = [a[n][:, t : t + 1] for n in spec.INPUT_NAMES]
-            o, state = metal.chunk_gdn2(*step, K**-0.5, state, True, 64)
+            o, state = metal.metal_gdn2(*step, scale=K**-0.5, initial_state=state, output_final_state=True)
             assert o.shape == (B, 1, H, V) and state.shape == (B, H, K, V)
             outputs.append(as64(o))
     check("o (decode)", np.concatenate(outputs, axis=1), case["o"], 2e-5, seed)
@@ -144,7 +145,8 @@ def test_no_initial_state_and_no_final_state(seed):
     zero_state = {n: np.array(a[n].astype(mx.float32), dtype=np.float64) for n in spec.INPUT_NAMES}
     expected, _ = spec.reference_forward(**zero_state)
     with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
-        o, final = metal.chunk_gdn2(*(a[n] for n in spec.INPUT_NAMES), K**-0.5, None, False, 4)
+        o, final = metal.metal_gdn2(*(a[n] for n in spec.INPUT_NAMES), scale=K**-0.5, initial_state=None,
+                                     output_final_state=False, checkpoint_interval=4)
     assert final is None
     check("o", as64(o), expected, 2e-5, seed)
 

@@ -8,7 +8,7 @@ from frameworks import GRAD_NAMES, make_case, run_mlx, run_torch, worst_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn2 import chunk as algorithm
+from gdn2 import algorithm
 from gdn2.spec import INPUT_NAMES, random_inputs, reference_backward, reference_forward, relative_error
 from gdn2.xp import numpy_ops
 

@@ -33,7 +33,7 @@ def test_empty_sequence_passes_state_through(framework, seed):
 @pytest.mark.parametrize("framework", ["torch", "mlx"])
 def test_split_and_join_sequences_is_exact(framework, seed):
     """The padded-batch adapter that the kernel paths use for packed input, on the chunk path."""
-    from gdn2 import chunk as algorithm
+    from gdn2 import algorithm
 
     case = packed_case(seed, random_lengths(seed, 4))
     if framework == "torch":

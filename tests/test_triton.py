@@ -18,7 +18,7 @@ from gdn2.paths import _said  # noqa: E402
 from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
 from gdn2.spec import reference_backward, reference_forward  # noqa: E402
-from gdn2.torch.chunk import which_path  # noqa: E402
+from gdn2.torch.ops import which_path  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
 kernel_only = pytest.mark.filterwarnings("error::RuntimeWarning")

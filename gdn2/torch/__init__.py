@@ -1,6 +1,6 @@
 """GDN-2 for PyTorch: ``from gdn2.torch import chunk_gdn2``."""
 
-from .chunk import chunk_gdn2, recurrent_gdn2, which_path
+from .ops import chunk_gdn2, recurrent_gdn2, which_path
 from .layer import GatedDeltaNet2, GDN2Cache, GDN2LanguageModel, load_model, load_weights, save_weights
 
 __all__ = [

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..spec import sequence_positions
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
-from .chunk import chunk_gdn2, recurrent_gdn2
+from .ops import chunk_gdn2, recurrent_gdn2
 
 __all__ = [
     "GDN2Cache",

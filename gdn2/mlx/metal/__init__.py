@@ -66,7 +66,7 @@ from .scan_source import (
     FORWARD_SOURCE,
 )
 
-__all__ = ["unsupported_reason", "chunk_gdn2", "KernelLaunch", "use_launcher", "Geometry", "use_geometry"]
+__all__ = ["unsupported_reason", "metal_gdn2", "KernelLaunch", "use_launcher", "Geometry", "use_geometry"]
 
 MAX_KEY_DIM = 256
 MAX_VALUE_DIM = 256
@@ -323,19 +323,21 @@ def probe(dtype, H: int, K: int, V: int, T: int, chunk_size: int) -> str | None:
     return _probed[key]
 
 
-def chunk_gdn2(q, k, v, g, b, w, scale: float, initial_state, output_final_state: bool, chunk_size: int):
+def metal_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bool, checkpoint_interval: int = 64):
     """GDN-2 on the Metal kernels.
 
     q, k, g, b ``[B, T, H, K]``; v, w ``[B, T, H, V]`` (float32, float16 or bfloat16, already
-    validated); ``initial_state`` float32 ``[B, H, K, V]`` or None (zeros). Returns
-    ``(o [B, T, H, V] in q's dtype, final_state float32 [B, H, K, V] or None)``; differentiable in
-    every input and in ``initial_state`` through ``mx.custom_function``.
+    validated); ``initial_state`` float32 ``[B, H, K, V]`` or None (zeros). ``checkpoint_interval``:
+    steps between the states the backward replays from (the scan has no chunks; this is not the
+    ``chunk_size`` of the chunked form). Returns ``(o [B, T, H, V] in q's dtype, final_state
+    float32 [B, H, K, V] or None)``; differentiable in every input and in ``initial_state``
+    through ``mx.custom_function``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    failure = probe(q.dtype, H, K, V, T, chunk_size)
+    failure = probe(q.dtype, H, K, V, T, checkpoint_interval)
     if failure is not None:
         raise RuntimeError(f"Metal kernel failed to compile or launch: {failure}")
     state0 = mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)
-    o, final_state = _kernel_function(float(scale), int(chunk_size))(q, k, v, g, b, w, state0)
+    o, final_state = _kernel_function(float(scale), int(checkpoint_interval))(q, k, v, g, b, w, state0)
     return o, (final_state if output_final_state else None)

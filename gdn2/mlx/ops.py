@@ -1,7 +1,7 @@
 """MLX entry points: ``chunk_gdn2`` (path-selecting) and ``recurrent_gdn2`` (token by token).
 
 The chunk path is an ``mx.custom_function`` whose forward is the chunked WY form and whose ``vjp``
-is the analytic chunked adjoint (both from ``gdn2/chunk.py``); the reference path is the recurrence
+is the analytic chunked adjoint (both from ``gdn2/algorithm.py``); the reference path is the recurrence
 in MLX ops under MLX autodiff; the kernel path is Metal (``gdn2/mlx/metal/``).
 """
 
@@ -12,12 +12,16 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from .. import chunk as algorithm
+from .. import algorithm
 from ..paths import PathChoice, announce, choose, run_kernel
 from ..spec import default_scale, validate
 from .xp import mlx_ops
 
 __all__ = ["chunk_gdn2", "recurrent_gdn2", "which_path"]
+
+# Steps between the states the Metal scan keeps for its backward (its memory/recompute trade-off;
+# not the chunk_size of the chunked form).
+CHECKPOINT_INTERVAL = 64
 
 
 def _compute_dtype(x: mx.array) -> mx.Dtype:
@@ -68,6 +72,13 @@ def _metal_module():
     return metal, None
 
 
+def _metal_call(metal, scale, initial_state, output_final_state):
+    return lambda *x: metal.metal_gdn2(
+        *x, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        checkpoint_interval=CHECKPOINT_INTERVAL,
+    )
+
+
 def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path: str | None = None) -> PathChoice:
     """The path ``chunk_gdn2`` takes for these arguments, and why."""
     metal, problem = _metal_module()
@@ -106,8 +117,8 @@ def chunk_gdn2(
     if choice.path == "kernel":
         metal, _ = _metal_module()
         result = run_kernel(
-            "mlx", "Metal kernel", metal.chunk_gdn2, mlx_ops, (q, k, v, g, b, w), cu_seqlens,
-            scale, initial_state, output_final_state, chunk_size,
+            "mlx", "Metal kernel", _metal_call(metal, scale, initial_state, output_final_state), mlx_ops,
+            (q, k, v, g, b, w), cu_seqlens,
         )
         if result is not None:
             return result
@@ -143,8 +154,8 @@ def recurrent_gdn2(
     metal, problem = _metal_module()
     if problem is None and metal.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size) is None:
         result = run_kernel(
-            "mlx", "Metal kernel", metal.chunk_gdn2, mlx_ops, (q, k, v, g, b, w), cu_seqlens,
-            scale, initial_state, output_final_state, chunk_size, fallback="reference",
+            "mlx", "Metal kernel", _metal_call(metal, scale, initial_state, output_final_state), mlx_ops,
+            (q, k, v, g, b, w), cu_seqlens, fallback="reference",
         )
         if result is not None:
             return result

@@ -1,7 +1,7 @@
 """PyTorch entry points: ``chunk_gdn2`` (path-selecting) and ``recurrent_gdn2`` (token by token).
 
 The chunk path is a ``torch.autograd.Function`` whose forward is the chunked WY form and whose
-backward is the analytic chunked adjoint (both from ``gdn2/chunk.py``); the reference path is the
+backward is the analytic chunked adjoint (both from ``gdn2/algorithm.py``); the reference path is the
 recurrence in torch ops under autograd; the kernel path is Triton (``gdn2/torch/triton/``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import chunk as algorithm
+from .. import algorithm
 from ..paths import PathChoice, announce, choose, run_kernel
 from ..spec import default_scale, validate
 from .xp import torch_ops
