@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import sys
+import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .weights import ModelConfig, initial_weights
+from .weights import ModelConfig, initial_weights, write_atomically
 
 IGNORE = -100  # target value of positions that carry no loss
 
@@ -162,8 +166,23 @@ class TrainConfig:
     eval_every: int = 100
     eval_size: int = 512
 
+    def __post_init__(self):
+        counts = dict(steps=1, batch_size=1, eval_size=1, warmup_steps=0, eval_every=0, seed=0)
+        for name, least in counts.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"{name}: expected an integer >= {least}, received {value!r}")
+        for name, positive in dict(lr=True, weight_decay=False, grad_clip=False, eps=True).items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                value <= 0 if positive else value < 0
+            ):
+                raise ValueError(f"{name}: expected a finite number {'> 0' if positive else '>= 0'}, received {value!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: expected a number in [0, 1], received {self.min_lr_ratio!r}")
+
     def lr_at(self, step: int) -> float:
-        """Learning rate of step ``step`` (0-based)."""
+        """Learning rate of step ``step`` (0-based); ``warmup_steps`` 0 starts at the peak."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
@@ -266,7 +285,7 @@ class MLXTrainer:
             if device == "gpu" and not mx.is_available(mx.gpu):
                 raise ValueError("device: gpu requested but this MLX has no GPU backend (Linux builds are CPU-only)")
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
-        self.device = str(mx.default_device())
+        self.device = device_name(mx.default_device())
         self.model = GDN2LanguageModel(model_config)
         set_numpy_weights(self.model, weights, "initial weights")
         self.train_config = train
@@ -314,6 +333,15 @@ class MLXTrainer:
 
     def synchronize(self) -> None:
         self.mx.synchronize()
+
+
+def device_name(device) -> str:
+    """A device as a user writes it: ``cpu``, ``gpu``, ``cuda:0`` (not ``Device(cpu, 0)``)."""
+    kind = getattr(device, "type", None)
+    if kind is not None and not isinstance(kind, str):  # mlx: Device(cpu, 0) -> "cpu" (or "gpu:1")
+        index = getattr(device, "index", 0)
+        return kind.name if not index else f"{kind.name}:{index}"
+    return str(device)
 
 
 def make_trainer(framework: str, model_config: ModelConfig, weights, train: TrainConfig, device: str | None = None):
@@ -382,7 +410,12 @@ def evaluate(trainer, heldout: tuple[np.ndarray, np.ndarray], batch_size: int) -
 
 
 def run_training(trainer, task, train: TrainConfig, progress: bool = True, label: str | None = None) -> RunResult:
-    """Train ``trainer`` for ``train.steps`` steps on ``task``; evaluate every ``eval_every`` steps."""
+    """Train ``trainer`` for ``train.steps`` steps on ``task``; evaluate every ``eval_every`` steps.
+
+    A warning raised during training (a kernel giving way, say) is written as one line above the
+    progress bar (``warning: message (category)``), not as Python's file, line and source line
+    through the middle of it.
+    """
     from tqdm.auto import tqdm
 
     heldout = heldout_set(task, train.eval_size, train.seed)
@@ -390,25 +423,39 @@ def run_training(trainer, task, train: TrainConfig, progress: bool = True, label
     losses, step_seconds, evaluations = [], [], []
     started = time.perf_counter()
     bar = tqdm(range(train.steps), desc=label or f"train {trainer.framework}", disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        inputs, targets = next(batches)
-        tick = time.perf_counter()
-        loss = trainer.step(inputs, targets, train.lr_at(step))
-        step_seconds.append(time.perf_counter() - tick)
-        if not math.isfinite(loss):
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning(tqdm)
+        try:
+            for step in bar:
+                inputs, targets = next(batches)
+                tick = time.perf_counter()
+                loss = trainer.step(inputs, targets, train.lr_at(step))
+                step_seconds.append(time.perf_counter() - tick)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
+                losses.append(loss)
+                last = step + 1 == train.steps
+                if last or (train.eval_every > 0 and (step + 1) % train.eval_every == 0):
+                    evaluations.append({"step": step + 1, **evaluate(trainer, heldout, train.batch_size)})
+                    bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%")
+                elif step % 10 == 0:
+                    accuracy = f"{100 * evaluations[-1]['accuracy']:.1f}%" if evaluations else "-"
+                    bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=accuracy)
+        finally:
             bar.close()
-            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
-        losses.append(loss)
-        last = step + 1 == train.steps
-        if last or (train.eval_every > 0 and (step + 1) % train.eval_every == 0):
-            evaluations.append({"step": step + 1, **evaluate(trainer, heldout, train.batch_size)})
-            bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%")
-        elif step % 10 == 0:
-            bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%" if evaluations else "-")
-    bar.close()
     trainer.synchronize()
     wall = time.perf_counter() - started
     return RunResult(trainer.framework, str(trainer.device), losses, step_seconds, evaluations, wall, evaluations[-1])
+
+
+def _one_line_warning(tqdm):
+    """A ``warnings.showwarning`` that writes ``warning: message (category)`` through ``tqdm.write``."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        tqdm.write(f"warning: {text} ({category.__name__})", file=sys.stderr)
+
+    return show
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,18 +463,32 @@ def run_training(trainer, task, train: TrainConfig, progress: bool = True, label
 # ---------------------------------------------------------------------------------------------
 
 
+def write_csv(path, header: list[str], rows) -> None:
+    """A CSV file, written atomically (``gdn2.weights.write_atomically``)."""
+
+    def write(temporary):
+        with open(temporary, "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(header)
+            writer.writerows(rows)
+
+    write_atomically(path, write)
+
+
+def save_figure(fig, path, dpi: int) -> None:
+    """A matplotlib figure as PNG, written atomically."""
+    write_atomically(path, lambda temporary: fig.savefig(temporary, format="png", dpi=dpi))
+
+
 def write_training_csv(path, result: RunResult, train: TrainConfig) -> None:
     """Columns: step, loss, lr, step_seconds, heldout_loss, heldout_accuracy (the last two where evaluated)."""
     by_step = {e["step"]: e for e in result.evaluations}
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["step", "loss", "lr", "step_seconds", "heldout_loss", "heldout_accuracy"])
-        for i, (loss, seconds) in enumerate(zip(result.losses, result.step_seconds)):
-            e = by_step.get(i + 1)
-            writer.writerow(
-                [i + 1, f"{loss:.6f}", f"{train.lr_at(i):.6g}", f"{seconds:.5f}",
-                 f"{e['loss']:.6f}" if e else "", f"{e['accuracy']:.6f}" if e else ""]
-            )
+    rows = []
+    for i, (loss, seconds) in enumerate(zip(result.losses, result.step_seconds)):
+        e = by_step.get(i + 1)
+        rows.append([i + 1, f"{loss:.6f}", f"{train.lr_at(i):.6g}", f"{seconds:.5f}",
+                     f"{e['loss']:.6f}" if e else "", f"{e['accuracy']:.6f}" if e else ""])
+    write_csv(path, ["step", "loss", "lr", "step_seconds", "heldout_loss", "heldout_accuracy"], rows)
 
 
 def _pyplot():
@@ -439,13 +500,18 @@ def _pyplot():
     return plt
 
 
-def smooth(values, window: int = 20) -> np.ndarray:
-    """Trailing moving average (shorter windows at the start)."""
+def moving_average(values, window: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """Trailing moving average over exactly ``window`` values: ``(steps, averages)``.
+
+    Step ``s`` (1-based) gets the mean of values ``s - window + 1 .. s``; steps before the first
+    full window get none (so the first points are not running means of fewer values). Fewer than
+    ``window`` values give empty arrays.
+    """
     values = np.asarray(values, dtype=np.float64)
+    if len(values) < window:
+        return np.arange(0), np.zeros(0)
     sums = np.cumsum(np.insert(values, 0, 0.0))
-    idx = np.arange(1, len(values) + 1)
-    lo = np.maximum(0, idx - window)
-    return (sums[idx] - sums[lo]) / (idx - lo)
+    return np.arange(window, len(values) + 1), (sums[window:] - sums[:-window]) / window
 
 
 def plot_training(path, result: RunResult, title: str) -> None:
@@ -454,7 +520,10 @@ def plot_training(path, result: RunResult, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     steps = np.arange(1, len(result.losses) + 1)
     ax.plot(steps, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
-    ax.plot(steps, smooth(result.losses), color="tab:blue", label="loss (moving average)")
+    window = min(20, max(1, len(result.losses) // 5))
+    average_steps, averages = moving_average(result.losses, window)
+    if window > 1:
+        ax.plot(average_steps, averages, color="tab:blue", label=f"loss (mean of the last {window} steps)")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
@@ -471,19 +540,18 @@ def plot_training(path, result: RunResult, title: str) -> None:
         ax.legend(loc="lower left")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def write_compare_csv(path, results: list[RunResult]) -> None:
     """Columns: step, loss of each framework, |difference|, step seconds of each framework."""
     a, b = results
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["step", f"loss_{a.framework}", f"loss_{b.framework}", "abs_diff",
-                         f"step_seconds_{a.framework}", f"step_seconds_{b.framework}"])
-        for i, (la, lb, ta, tb) in enumerate(zip(a.losses, b.losses, a.step_seconds, b.step_seconds)):
-            writer.writerow([i + 1, f"{la:.7f}", f"{lb:.7f}", f"{abs(la - lb):.3e}", f"{ta:.5f}", f"{tb:.5f}"])
+    header = ["step", f"loss_{a.framework}", f"loss_{b.framework}", "abs_diff",
+              f"step_seconds_{a.framework}", f"step_seconds_{b.framework}"]
+    rows = [[i + 1, f"{la:.7f}", f"{lb:.7f}", f"{abs(la - lb):.3e}", f"{ta:.5f}", f"{tb:.5f}"]
+            for i, (la, lb, ta, tb) in enumerate(zip(a.losses, b.losses, a.step_seconds, b.step_seconds))]
+    write_csv(path, header, rows)
 
 
 def plot_compare(path, results: list[RunResult], title: str) -> None:
@@ -515,16 +583,40 @@ def plot_compare(path, results: list[RunResult], title: str) -> None:
     axes[2].legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
+def check_output_folder(out_dir) -> Path:
+    """Make sure ``out_dir`` is a folder this process can write into (created if missing).
+
+    Raises ``ValueError`` naming the folder, so that a run can be refused before it trains rather
+    than lose its results after.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: expected a folder, received a file: {out}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"out: cannot create the folder {out} ({error.strerror or error})") from None
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".gdn2-write-check.", dir=out)
+    except OSError as error:
+        raise ValueError(f"out: cannot write into the folder {out} ({error.strerror or error})") from None
+    os.close(handle)
+    os.unlink(probe)
+    return out
+
+
 def save_run(out_dir, result: RunResult, trainer, train: TrainConfig, model_config: ModelConfig, title: str) -> dict:
-    """Write loss.csv, loss.png and model.safetensors into ``out_dir``; return their paths."""
+    """Write loss.csv, loss.png and model.safetensors into ``out_dir``; return their paths.
+
+    Each file is written atomically (a temporary file in the same folder, then ``os.replace``).
+    """
     from .weights import save_numpy
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_folder(out_dir)
     paths = {"csv": out / "loss.csv", "png": out / "loss.png", "weights": out / "model.safetensors"}
     write_training_csv(paths["csv"], result, train)
     plot_training(paths["png"], result, title)

@@ -16,8 +16,11 @@ torch model and an MLX model initialised from the same seed are the same model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import tempfile
 import zlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -83,9 +86,21 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
-        data = json.loads(text)
+        """The config of ``to_json``; ``ValueError`` for invalid JSON, unknown fields or bad values."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config: expected JSON, received invalid JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config: expected a JSON object of ModelConfig fields, received {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config: expected ModelConfig fields ({', '.join(sorted(known))}), received unknown {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as error:
+            raise ValueError(f"config: {error}") from None
 
 
 def check_mixer_sizes(hidden_size, expand_v, head_dim, num_heads, num_v_heads, conv_size) -> tuple[int, int, int]:
@@ -149,16 +164,26 @@ def initial_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, 
     return {name: initial_value(name, tuple(shape), seed) for name, shape in sorted(shapes.items())}
 
 
+def _dtype_name(x) -> str:
+    return str(getattr(x, "dtype", type(x).__name__)).rsplit(".", 1)[-1]
+
+
 def check_names(expected: dict[str, tuple[int, ...]], received: dict[str, np.ndarray], source: str) -> None:
-    """Raise ``ValueError`` listing missing, unexpected and wrongly shaped parameters."""
+    """Raise ``ValueError`` listing missing, unexpected, wrongly shaped and non-float32 parameters.
+
+    Weights are float32 arrays (the gdn2 format): another dtype is an error, not a silent cast.
+    """
     missing = sorted(set(expected) - set(received))
     unexpected = sorted(set(received) - set(expected))
+    common = sorted(set(expected) & set(received))
     wrong = [
-        f"{name}: expected {list(expected[name])}, received {list(received[name].shape)}"
-        for name in sorted(set(expected) & set(received))
-        if tuple(received[name].shape) != tuple(expected[name])
+        f"{name}: expected {list(expected[name])}, received {list(np.shape(received[name]))}"
+        for name in common
+        if tuple(np.shape(received[name])) != tuple(expected[name])
     ]
-    if missing or unexpected or wrong:
+    dtypes = [f"{name}: expected float32, received {_dtype_name(received[name])}"
+              for name in common if _dtype_name(received[name]) != "float32"]
+    if missing or unexpected or wrong or dtypes:
         parts = []
         if missing:
             parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -166,28 +191,92 @@ def check_names(expected: dict[str, tuple[int, ...]], received: dict[str, np.nda
             parts.append(f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
         if wrong:
             parts.append("wrong shapes: " + "; ".join(wrong[:8]))
+        if dtypes:
+            parts.append("wrong dtypes: " + "; ".join(dtypes[:8]))
         raise ValueError(f"{source}: weights do not match the model: " + ", ".join(parts))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomically(path, write) -> Path:
+    """Create ``path`` by ``write(temporary_path)`` then ``os.replace``; return ``path``.
+
+    The temporary file is in the same folder, so the replace is atomic: a reader, an interrupted
+    run or a failing ``write`` leaves the previous file whole (or no file), never a partial one.
+    The file gets the permissions ``open()`` would give it (``0o666`` less the umask).
+    """
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        write(temporary)
+        os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return path
+
+
 def save_numpy(arrays: dict[str, np.ndarray], path, config: ModelConfig | None = None) -> None:
-    """Write ``{name: array}`` as safetensors (float32 kept as is), config JSON in the metadata."""
+    """Write ``{name: float32 array}`` as safetensors, config JSON in the metadata.
+
+    Written atomically (``write_atomically``): an existing file is replaced whole or not at all.
+    Arrays of another dtype are an error (convert them with ``.astype(np.float32)`` first).
+    """
     from safetensors.numpy import save_file
 
+    dtypes = [f"{name}: {_dtype_name(a)}" for name, a in arrays.items() if _dtype_name(a) != "float32"]
+    if dtypes:
+        raise ValueError(f"arrays: expected float32 arrays (the gdn2 weight format), received {'; '.join(dtypes[:8])}")
     metadata = {"format": "gdn2"}
     if config is not None:
         metadata[CONFIG_KEY] = config.to_json()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, str(path), metadata=metadata)
+    contiguous = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    write_atomically(path, lambda temporary: save_file(contiguous, temporary, metadata=metadata))
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 def load_numpy(path) -> tuple[dict[str, np.ndarray], ModelConfig | None]:
-    """Read a safetensors file: ``({name: numpy array}, config or None)``."""
-    from safetensors import safe_open
+    """Read a gdn2 safetensors file: ``({name: float32 numpy array}, config or None)``.
 
+    Every problem names the file: ``FileNotFoundError`` when it does not exist, ``ValueError`` for
+    a directory, a truncated or corrupt file, an invalid config, or a tensor that is not float32
+    (nothing is cast on loading).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path: expected a safetensors file, received a directory: {path}")
+    if not path.exists():
+        raise FileNotFoundError(f"path: no such file: {path}")
     arrays = {}
-    with safe_open(str(path), framework="numpy") as handle:
-        metadata = handle.metadata() or {}
-        for name in handle.keys():
-            arrays[name] = handle.get_tensor(name)
-    config = ModelConfig.from_json(metadata[CONFIG_KEY]) if CONFIG_KEY in metadata else None
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = handle.metadata() or {}
+            for name in handle.keys():
+                dtype = handle.get_slice(name).get_dtype()
+                if dtype != "F32":
+                    raise ValueError(
+                        f"path: {path}: tensor {name} has dtype {SAFETENSORS_DTYPES.get(dtype, dtype)}, expected float32 "
+                        "(gdn2 weight files are float32; nothing is cast on loading)"
+                    )
+                arrays[name] = handle.get_tensor(name)
+    except SafetensorError as error:
+        raise ValueError(f"path: {path} is not a readable safetensors file (truncated or corrupt?): {error}") from None
+    config = None
+    if CONFIG_KEY in metadata:
+        try:
+            config = ModelConfig.from_json(metadata[CONFIG_KEY])
+        except ValueError as error:
+            raise ValueError(f"path: {path}: the model config (metadata {CONFIG_KEY!r}) is unusable: {error}") from None
     return arrays, config
