@@ -19,54 +19,26 @@ The backward is the exact adjoint. It keeps only the inputs and the chunk-bounda
 forward and recomputes the in-chunk terms. Gated bilinear forms ``M = pair(X, Y)`` have the
 adjoint ``dX = left(dM, Y)``, ``dY = right(dM, X)`` and contribute ``X * dX - Y * dY`` to ``dG``.
 
-Internal layout: ``[B, H, N, C, D]`` (N chunks of C steps).
+Internal layout: ``[B, H, N, C, D]`` (N chunks of C steps); packed sequences
+(``gdn2.packing``) start a chunk each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from .packing import ChunkLayout, SequenceOffsets
 from .xp import Ops
 
 
-@dataclass
-class Packing:
-    """Where the tokens of packed sequences (``cu_seqlens``) sit in the chunk layout.
-
-    Each sequence starts a new chunk and its last chunk is zero-padded, so no chunk holds two
-    sequences and the state can restart at a chunk boundary.
-    """
-
-    token_of_slot: np.ndarray  # [chunks * C]; T marks a padding slot (a zero row appended to the input)
-    slot_of_token: np.ndarray  # [T]
-    chunk_ranges: list  # per sequence, (first chunk, end chunk)
-
-    @classmethod
-    def build(cls, cu_seqlens, chunk_size: int) -> "Packing":
-        offsets = [int(x) for x in np.asarray(cu_seqlens.tolist())]
-        T = offsets[-1]
-        token_of_slot, slot_of_token, chunk_ranges = [], np.zeros(T, dtype=np.int64), []
-        for start, end in zip(offsets[:-1], offsets[1:]):
-            first = len(token_of_slot) // chunk_size
-            chunks = -(-(end - start) // chunk_size)
-            slots = np.full(chunks * chunk_size, T, dtype=np.int64)
-            slots[: end - start] = np.arange(start, end)
-            slot_of_token[start:end] = len(token_of_slot) + np.arange(end - start)
-            token_of_slot.extend(slots.tolist())
-            chunk_ranges.append((first, first + chunks))
-        return cls(np.asarray(token_of_slot, dtype=np.int64), slot_of_token, chunk_ranges)
-
-
-def to_chunks(ops: Ops, x, chunk_size: int, packing: Packing | None = None):
+def to_chunks(ops: Ops, x, chunk_size: int, layout: ChunkLayout | None = None):
     """``[B, T, H, D]`` -> ``[B, H, N, C, D]``, zero-padding T up to a multiple of C.
 
-    With ``packing`` (B = 1) every sequence is padded to whole chunks of its own.
+    With the ``layout`` of packed sequences (B = 1) every sequence is padded to whole chunks of its own.
     """
     B, T, H, D = x.shape
-    if packing is not None:
-        x = ops.take(ops.pad_time(x, 1), packing.token_of_slot, axis=1)
+    if layout is not None:
+        x = ops.take(ops.pad_time(x, 1), layout.token_of_slot, axis=1)
         T = x.shape[1]
     N = -(-T // chunk_size)
     if N * chunk_size != T:
@@ -74,50 +46,20 @@ def to_chunks(ops: Ops, x, chunk_size: int, packing: Packing | None = None):
     return ops.transpose(x.reshape(B, N, chunk_size, H, D), (0, 3, 1, 2, 4))
 
 
-def from_chunks(ops: Ops, x, T: int, packing: Packing | None = None):
+def from_chunks(ops: Ops, x, T: int, layout: ChunkLayout | None = None):
     """``[B, H, N, C, D]`` -> ``[B, T, H, D]`` (padding dropped)."""
     B, H, N, C, D = x.shape
     x = ops.transpose(x, (0, 2, 3, 1, 4)).reshape(B, N * C, H, D)
-    if packing is not None:
-        return ops.take(x, packing.slot_of_token, axis=1)
+    if layout is not None:
+        return ops.take(x, layout.slot_of_token, axis=1)
     return x[:, :T]
 
 
-def sequence_rows(cu_seqlens):
-    """Index of each packed token in a ``[N, L_max]`` batch (``T`` pads), and back: ``([N * L_max], [T])``."""
-    offsets = [int(x) for x in np.asarray(cu_seqlens.tolist())]
-    T, lengths = offsets[-1], np.diff(offsets)
-    longest = max(int(lengths.max()), 1)
-    padded = np.full((len(lengths), longest), T, dtype=np.int64)
-    packed = np.zeros(T, dtype=np.int64)
-    for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-        padded[n, : end - start] = np.arange(start, end)
-        packed[start:end] = n * longest + np.arange(end - start)
-    return padded.reshape(-1), packed
-
-
-def split_sequences(ops: Ops, x, cu_seqlens):
-    """Packed ``[1, T, H, D]`` -> ``[N, L_max, H, D]``, each sequence zero-padded at its end.
-
-    Zero steps at the end (``k = 0``, ``g = 0``) leave the state unchanged, so running a padded
-    batch is exact; paths without native packing use this (differentiable through ``take``).
-    """
-    padded, _ = sequence_rows(cu_seqlens)
-    N = len(cu_seqlens.tolist()) - 1
-    return ops.take(ops.pad_time(x, 1), padded, axis=1).reshape(N, -1, *x.shape[2:])
-
-
-def join_sequences(ops: Ops, y, cu_seqlens):
-    """Inverse of ``split_sequences``: ``[N, L_max, H, D]`` -> ``[1, T, H, D]``."""
-    _, packed = sequence_rows(cu_seqlens)
-    return ops.take(y.reshape(1, -1, *y.shape[2:]), packed, axis=1)
-
-
-def _segments(packing: Packing | None, chunks: int):
+def _segments(layout: ChunkLayout | None, chunks: int):
     """(state row, first chunk, end chunk) for each independent run of the recurrence."""
-    if packing is None:
+    if layout is None:
         return [(None, 0, chunks)]
-    return [(n, first, end) for n, (first, end) in enumerate(packing.chunk_ranges)]
+    return [(n, first, end) for n, (first, end) in enumerate(layout.chunk_ranges)]
 
 
 def _state_rows(ops: Ops, state, row, shape, like):
@@ -282,19 +224,22 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
     )
 
 
-def forward(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size: int, packing: Packing | None = None):
+def forward(
+    ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size: int, sequences: SequenceOffsets | None = None
+):
     """Chunked forward.
 
     Inputs ``[B, T, H, D]`` in the compute dtype; ``initial_state`` ``[B, H, K, V]`` (``[N, ...]``
-    with ``packing``) or None. Returns ``(o [B, T, H, V], final_state, states [B, H, chunks, K, V])``
-    where ``states`` holds the state entering each chunk (what the backward needs).
+    with packed ``sequences``) or None. Returns ``(o [B, T, H, V], final_state, states [B, H,
+    chunks, K, V])`` where ``states`` holds the state entering each chunk (what the backward needs).
     """
     T = q.shape[1]
-    q, k, g, b, v, w = (to_chunks(ops, x, chunk_size, packing) for x in (q, k, g, b, v, w))
+    layout = None if sequences is None else sequences.chunk_layout(chunk_size)
+    q, k, g, b, v, w = (to_chunks(ops, x, chunk_size, layout) for x in (q, k, g, b, v, w))
     B, H, N, C, K = q.shape
     intra = intra_chunk(ops, q, k, v, g, b, w)
     states, new_values, final_states = [None] * N, [None] * N, []
-    for row, first, end in _segments(packing, N):
+    for row, first, end in _segments(layout, N):
         state = _state_rows(ops, initial_state, row, (B, H, K, v.shape[-1]), q)
         for n in range(first, end):
             states[n] = state
@@ -304,11 +249,12 @@ def forward(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size:
     states = ops.stack(states, axis=2)
     U = ops.stack(new_values, axis=2)
     o = scale * (intra.Qg @ states + intra.P @ U)
-    return from_chunks(ops, o, T, packing), ops.concat(final_states, axis=0), states
+    return from_chunks(ops, o, T, layout), ops.concat(final_states, axis=0), states
 
 
 def backward(
-    ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_state, chunk_size: int, packing: Packing | None = None
+    ops: Ops, q, k, v, g, b, w, scale: float, states, d_o, d_final_state, chunk_size: int,
+    sequences: SequenceOffsets | None = None,
 ):
     """Exact adjoint of ``forward``.
 
@@ -317,7 +263,8 @@ def backward(
     dtype, inputs shaped ``[B, T, H, D]``.
     """
     T = q.shape[1]
-    q, k, g, b, v, w, d_o = (to_chunks(ops, x, chunk_size, packing) for x in (q, k, g, b, v, w, d_o))
+    layout = None if sequences is None else sequences.chunk_layout(chunk_size)
+    q, k, g, b, v, w, d_o = (to_chunks(ops, x, chunk_size, layout) for x in (q, k, g, b, v, w, d_o))
     B, H, N, C, K = q.shape
     intra = intra_chunk(ops, q, k, v, g, b, w)
     U = intra.Uw - intra.Wk @ states
@@ -330,7 +277,7 @@ def backward(
 
     # Reverse pass over chunks: d_state is the gradient of the state leaving chunk n.
     d_leaving, d_initial_states = [None] * N, []
-    for row, first, end in _segments(packing, N):
+    for row, first, end in _segments(layout, N):
         d_state = _state_rows(ops, d_final_state, row, (B, H, K, v.shape[-1]), q)
         for n in reversed(range(first, end)):
             d_leaving[n] = d_state
@@ -386,21 +333,21 @@ def backward(
     before = ops.concat([ops.zeros(kd_terms.shape[:-2] + (1, K), like=q), ops.cumsum(kd_terms, axis=-2)[..., :-1, :]], axis=-2)
     dg = ops.cumsum(d_G, axis=-2, reverse=True) + before + (d_gamma * intra.gamma)[..., None, :]
 
-    grads = (from_chunks(ops, x, T, packing) for x in (dq, dk, dv, dg, db, dw))
+    grads = (from_chunks(ops, x, T, layout) for x in (dq, dk, dv, dg, db, dw))
     return (*grads, d_initial_state)
 
 
-def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, cu_seqlens=None):
+def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, sequences: SequenceOffsets | None = None):
     """Token-by-token recurrence in framework ops (the reference path; differentiated by autodiff).
 
-    Inputs ``[B, T, H, D]``; returns ``(o [B, T, H, V], final_state [B, H, K, V])``. With
-    ``cu_seqlens`` (B = 1) each packed sequence runs alone from its row of ``initial_state``.
+    Inputs ``[B, T, H, D]``; returns ``(o [B, T, H, V], final_state [B, H, K, V])``. With packed
+    ``sequences`` (B = 1) each sequence runs alone from its row of ``initial_state``.
     """
     B, T, H, K = q.shape
-    offsets = [0, T] if cu_seqlens is None else [int(x) for x in np.asarray(cu_seqlens.tolist())]
+    spans = [(0, T)] if sequences is None else sequences.spans
     outputs, final_states = [], []
-    for row, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-        row = None if cu_seqlens is None else row
+    for row, (start, end) in enumerate(spans):
+        row = None if sequences is None else row
         state = _state_rows(ops, initial_state, row, (B, H, K, v.shape[-1]), q)
         for t in range(start, end):
             decayed = state * ops.exp(g[:, t])[..., None]

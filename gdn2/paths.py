@@ -1,9 +1,13 @@
-"""Path selection shared by both frameworks: reference, chunk or kernel.
+"""Path selection and dispatch, written once for both frameworks: reference, chunk or kernel.
 
 Order of precedence: the ``path`` argument, then the ``GDN2_PATH`` environment variable, then
 automatic (the kernel where it can run, else the chunk path). A requested kernel that cannot run
 gives way to the chunk path with one warning; every choice is logged once at INFO on the
 ``gdn2`` logger.
+
+A framework (``gdn2.torch.ops``, ``gdn2.mlx.ops``) describes itself as a ``Framework``: its array
+shim, its chunk path, and a loader for its ``KernelBackend``. ``run`` is then the whole of a call:
+validate -> choose the path -> log the choice once -> run the kernel -> fall back.
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
-from .spec import PATHS
+from . import algorithm
+from .packing import SequenceOffsets, join_sequences, split_sequences
+from .spec import PATHS, default_scale, validate
+from .xp import Ops
 
 logger = logging.getLogger("gdn2")
-_said: set[tuple] = set()
+_announced: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,50 @@ class PathChoice:
 
     def __str__(self) -> str:
         return f"{self.path} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """What a kernel package gives the dispatch.
+
+    ``unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)``: None when the kernels can
+    run these validated arguments, else a short reason (a path choice, not an error).
+
+    ``call(q=, k=, v=, g=, b=, w=, *, scale, initial_state, output_final_state)``: the kernel
+    path, ``(o, final_state or None)``, differentiable like the other paths.
+
+    ``failures``: the exception types ``call`` raises when a kernel fails to compile, to launch or
+    to get its resources. Those give way to the next path with one warning; any other exception
+    (a bug in a wrapper) propagates.
+
+    ``automatic_reason(q)``: a reason to leave the kernel out of automatic selection only, while
+    it still runs when asked for (None: no such reason).
+    """
+
+    name: str
+    unsupported_reason: Callable[..., str | None]
+    call: Callable[..., tuple]
+    failures: tuple[type[BaseException], ...]
+    automatic_reason: Callable[..., str | None] = lambda q: None
+
+
+@dataclass(frozen=True)
+class Framework:
+    """What one framework gives the dispatch.
+
+    ``load_kernel()`` returns its ``KernelBackend``, or raises ``ImportError`` where the kernel
+    package cannot be imported; it is called on every use, so that the backend reads its module's
+    current attributes. ``chunk(q, k, v, g, b, w, *, scale, initial_state, chunk_size, sequences)``
+    runs the chunk path and returns ``(o, final_state)``. ``kernel_runs_recurrent``: the kernel is
+    a token-by-token scan, so ``recurrent_gdn2`` runs it where it can.
+    """
+
+    name: str  # "torch" or "mlx": the prefix of log lines
+    ops: Ops
+    kernel_name: str  # "Triton kernel", "Metal kernel"
+    load_kernel: Callable[[], KernelBackend]
+    chunk: Callable[..., tuple]
+    kernel_runs_recurrent: bool = False
 
 
 def requested_path(path: str | None) -> tuple[str | None, str]:
@@ -64,32 +116,110 @@ def choose(path: str | None, kernel_problem: str | None, kernel_name: str, auto_
     return PathChoice("chunk", f"automatic; {kernel_name} not used: {kernel_problem}")
 
 
-def announce(framework: str, choice: PathChoice) -> None:
-    """Log a choice once; warn once when a requested or failing kernel gave way."""
+def announce(framework: str, choice: PathChoice, stacklevel: int = 4) -> None:
+    """Log a choice once; warn once when a requested or failing kernel gave way (``stacklevel``:
+    the warning points at the caller of the public function)."""
     key = (framework, choice.path, choice.reason)
-    if key in _said:
+    if key in _announced:
         return
-    _said.add(key)
+    _announced.add(key)
     message = f"gdn2.{framework}: {choice}"
     if choice.gave_way:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
     logger.info(message)
 
 
-def run_kernel(framework: str, kernel_name: str, kernel_call, ops, inputs, cu_seqlens, *args, fallback: str = "chunk"):
-    """Run a kernel path's ``kernel_call(q, k, v, g, b, w, *args)``; None if it failed.
+def forget_announcements() -> None:
+    """Empty the once-only log, so that the next choices are logged (and fallbacks warned) again."""
+    _announced.clear()
 
-    Packed input (``cu_seqlens``) runs as a zero-padded batch of N rows, which is exact (see
-    ``gdn2.algorithm.split_sequences``). A compile or launch failure is announced once, as giving way to
-    ``fallback``, and the caller runs that path.
-    """
-    from .algorithm import join_sequences, split_sequences
 
+def load_kernel(framework: Framework) -> tuple[KernelBackend | None, str | None]:
+    """The framework's kernel backend, or None and why it cannot be imported."""
     try:
-        if cu_seqlens is None:
-            return kernel_call(*inputs, *args)
-        o, final_state = kernel_call(*(split_sequences(ops, x, cu_seqlens) for x in inputs), *args)
-        return join_sequences(ops, o, cu_seqlens), final_state
-    except Exception as error:  # a compile or launch failure gives way to the fallback path
-        announce(framework, PathChoice(fallback, f"{kernel_name} failed: {type(error).__name__}: {error}", gave_way=True))
+        return framework.load_kernel(), None
+    except ImportError as error:
+        return None, f"{framework.kernel_name}s unavailable ({type(error).__name__}: {error})"
+
+
+def which_path(framework: Framework, q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path: str | None = None) -> PathChoice:
+    """The path ``run`` takes for these arguments, and why."""
+    backend, problem = load_kernel(framework)
+    automatic = None
+    if backend is not None:
+        problem = backend.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
+        automatic = backend.automatic_reason(q)
+    return choose(path, problem, framework.kernel_name, automatic)
+
+
+def run(framework: Framework, q, k, v, g, b, w, *, scale, initial_state, output_final_state: bool, chunk_size: int,
+        path: str | None, cu_seqlens):
+    """One ``chunk_gdn2`` call: validate, choose the path, log it once, run it (a failing kernel
+    gives way to the chunk path). Returns ``(o, final_state or None)``."""
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
+    scale = default_scale(dims.K, scale)
+    choice = which_path(framework, q, k, v, g, b, w, initial_state, chunk_size, path)
+    announce(framework.name, choice)
+    inputs = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    if choice.path == "kernel":
+        backend, _ = load_kernel(framework)
+        result = run_kernel(framework, backend, inputs, dims.sequences, "chunk", scale=scale,
+                            initial_state=initial_state, output_final_state=output_final_state)
+        if result is not None:
+            return result
+    if choice.path == "reference":
+        o, final_state = reference(framework.ops, inputs, scale, initial_state, dims.sequences)
+    else:
+        o, final_state = framework.chunk(**inputs, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                         sequences=dims.sequences)
+    return o, (final_state if output_final_state else None)
+
+
+def run_recurrent(framework: Framework, q, k, v, g, b, w, *, scale, initial_state, output_final_state: bool,
+                  chunk_size: int, cu_seqlens):
+    """One ``recurrent_gdn2`` call: the kernel where the framework's kernel is a scan and can run
+    these arguments (a failure gives way to the reference path), else the reference path."""
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
+    scale = default_scale(dims.K, scale)
+    inputs = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    if framework.kernel_runs_recurrent:
+        backend, _ = load_kernel(framework)
+        if backend is not None and backend.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size) is None:
+            result = run_kernel(framework, backend, inputs, dims.sequences, "reference", scale=scale,
+                                initial_state=initial_state, output_final_state=output_final_state)
+            if result is not None:
+                return result
+    o, final_state = reference(framework.ops, inputs, scale, initial_state, dims.sequences)
+    return o, (final_state if output_final_state else None)
+
+
+def run_kernel(framework: Framework, backend: KernelBackend, inputs: dict, sequences: SequenceOffsets | None,
+               fallback: str, **options):
+    """``backend.call(**inputs, **options)``, or None after one warning if it raised one of the
+    backend's ``failures`` (the caller then runs ``fallback``).
+
+    Packed input runs as a zero-padded batch of N rows, which is exact (``gdn2.packing``).
+    """
+    if sequences is not None:
+        inputs = {name: split_sequences(framework.ops, x, sequences) for name, x in inputs.items()}
+    try:
+        o, final_state = backend.call(**inputs, **options)
+    except backend.failures as error:
+        reason = f"{backend.name} failed: {type(error).__name__}: {error}"
+        announce(framework.name, PathChoice(fallback, reason, gave_way=True), stacklevel=5)
         return None
+    if sequences is not None:
+        o = join_sequences(framework.ops, o, sequences)
+    return o, final_state
+
+
+def reference(ops: Ops, inputs: dict, scale: float, initial_state, sequences: SequenceOffsets | None):
+    """The reference path: the recurrence in framework ops (float64 stays float64, everything
+    else runs in float32), differentiated by the framework's autodiff. Returns ``(o in q's
+    dtype, final_state)``."""
+    q = inputs["q"]
+    dtype = ops.compute_dtype(q)
+    arrays = [ops.astype(inputs[name], dtype) for name in ("q", "k", "v", "g", "b", "w")]
+    state = None if initial_state is None else ops.astype(initial_state, dtype)
+    o, final_state = algorithm.recurrent(ops, *arrays, scale, state, sequences)
+    return ops.astype(o, q.dtype), final_state

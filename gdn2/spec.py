@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .packing import SequenceOffsets
+
 KEY_INPUTS = ("q", "k", "g", "b")
 VALUE_INPUTS = ("v", "w")
 INPUT_NAMES = ("q", "k", "v", "g", "b", "w")
@@ -37,6 +39,7 @@ class Dims:
     K: int
     V: int
     N: int  # rows of initial_state / final_state: B, or the number of packed sequences
+    sequences: SequenceOffsets | None = None  # the packed offsets, parsed once (None: not packed)
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -113,7 +116,8 @@ def validate(
     the received type, device, shape or dtype.
     """
     arrays = dict(q=q, k=k, v=v, g=g, b=b, w=w)
-    check_array_types(dict(arrays, initial_state=initial_state, cu_seqlens=cu_seqlens), framework)
+    unparsed = None if isinstance(cu_seqlens, SequenceOffsets) else cu_seqlens  # parsed offsets have no array type
+    check_array_types(dict(arrays, initial_state=initial_state, cu_seqlens=unparsed), framework)
     for name, x in arrays.items():
         if len(x.shape) != 4:
             raise ValueError(f"{name}: expected 4 dimensions [B, T, H, D], received shape {list(_shape(x))}")
@@ -151,9 +155,8 @@ def validate(
             raise ValueError(f"scale: expected a finite number > 0, received {scale!r}") from None
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"scale: expected a finite number > 0, received {scale!r}")
-    N = B
-    if cu_seqlens is not None:
-        N = validate_cu_seqlens(cu_seqlens, B, T)
+    sequences = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens, B, T)
+    N = B if sequences is None else sequences.count
     if initial_state is not None:
         if _shape(initial_state) != (N, H, K, V):
             rows = "N (sequences in cu_seqlens)" if cu_seqlens is not None else "B"
@@ -165,11 +168,18 @@ def validate(
             raise ValueError(
                 f"initial_state: expected dtype {' or '.join(allowed)}, received {_dtype_name(initial_state)}"
             )
-    return Dims(B, T, H, K, V, N)
+    return Dims(B, T, H, K, V, N, sequences)
 
 
-def validate_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
-    """Check packed-sequence offsets ``[N + 1]`` (0, ..., T, non-decreasing, int32 or int64); return N."""
+def parse_cu_seqlens(cu_seqlens, B: int, T: int) -> SequenceOffsets:
+    """Check packed-sequence offsets ``[N + 1]`` (0, ..., T, non-decreasing, int32 or int64) and
+    read them once; an already parsed ``SequenceOffsets`` is checked against B and T only."""
+    if isinstance(cu_seqlens, SequenceOffsets):
+        if B != 1:
+            raise ValueError(f"q: with cu_seqlens the batch size must be 1 (sequences packed along T), received B={B}")
+        if cu_seqlens.total != T:
+            raise ValueError(f"cu_seqlens: expected to end at T={T}, received {cu_seqlens.total}")
+        return cu_seqlens
     if array_kind(cu_seqlens) is None:
         raise ValueError(f"cu_seqlens: expected an integer array of shape [N + 1], received {type(cu_seqlens).__name__}")
     if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
@@ -185,14 +195,7 @@ def validate_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
         raise ValueError(f"cu_seqlens: expected to end at T={T}, received {offsets[-1]}")
     if np.any(np.diff(offsets) < 0):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, received {offsets.tolist()}")
-    return len(offsets) - 1
-
-
-def sequence_positions(cu_seqlens, B: int, T: int) -> np.ndarray:
-    """Each token's index inside its packed sequence, ``[T]`` (``cu_seqlens`` checked first)."""
-    validate_cu_seqlens(cu_seqlens, B, T)
-    offsets = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
-    return np.arange(T) - np.repeat(offsets[:-1], np.diff(offsets))
+    return SequenceOffsets(tuple(int(x) for x in offsets))
 
 
 def default_scale(K: int, scale=None) -> float:
@@ -271,13 +274,12 @@ def _per_sequence(function, q, k, v, g, b, w, scale, initial_state, cu_seqlens, 
     """Run ``function`` (forward, or backward when ``d_o`` is given) on each packed sequence alone."""
     dims = validate(q, k, v, g, b, w, scale, initial_state, cu_seqlens=cu_seqlens)
     scale = default_scale(dims.K, scale)
-    offsets = [int(x) for x in cu_seqlens.tolist()]
     rows = (dims.N, dims.H, dims.K, dims.V)
     states = np.zeros(rows) if initial_state is None else np.asarray(initial_state, np.float64)
     d_finals = np.zeros(rows) if d_final_state is None else np.asarray(d_final_state, np.float64)
     inputs = {name: np.asarray(x, np.float64) for name, x in dict(q=q, k=k, v=v, g=g, b=b, w=w).items()}
     pieces = []
-    for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+    for n, (start, end) in enumerate(dims.sequences.spans):
         piece = {name: x[:, start:end] for name, x in inputs.items()}
         if d_o is None:
             if start == end:  # an empty sequence passes its state through

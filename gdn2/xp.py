@@ -13,6 +13,14 @@ import numpy as np
 class Ops:
     """What the chunked algorithm needs beyond ``@`` and arithmetic. Subclasses fill in the rest."""
 
+    def compute_dtype(self, x):
+        """The dtype the algorithm runs in for inputs like ``x``: float64 stays float64, float32,
+        bfloat16 and float16 are computed in float32."""
+        raise NotImplementedError
+
+    def astype(self, x, dtype):
+        raise NotImplementedError
+
     def exp(self, x):
         raise NotImplementedError
 
@@ -65,6 +73,12 @@ class Ops:
 
 
 class NumpyOps(Ops):
+    def compute_dtype(self, x):
+        return np.float64 if x.dtype == np.float64 else np.float32
+
+    def astype(self, x, dtype):
+        return x.astype(dtype)
+
     def exp(self, x):
         return np.exp(x)
 

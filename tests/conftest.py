@@ -21,3 +21,11 @@ def seed() -> int:
     random.seed(value)
     print(f"seed={value} (rerun with GDN2_SEED={value})")
     return value
+
+
+@pytest.fixture
+def fresh_path_log():
+    """The once-only path log emptied: this test sees every path choice logged and every fallback warned."""
+    from gdn2 import paths
+
+    paths.forget_announcements()

@@ -109,13 +109,12 @@ def test_path_report_and_environment(framework, monkeypatch):
         module.which_path(**args)
 
 
-def test_forced_unavailable_kernel_falls_back_once_with_a_warning(monkeypatch, caplog):
+def test_forced_unavailable_kernel_falls_back_once_with_a_warning(monkeypatch, caplog, fresh_path_log):
     """MLX on Linux has no Metal: a forced kernel gives way to the chunk path, warning once."""
     import mlx.core as mx
 
     x = arrays("mlx")
     args = {n: x[n] for n in ("q", "k", "v", "g", "b", "w")}
-    monkeypatch.setattr(paths, "_said", set())
     monkeypatch.delenv("GDN2_PATH", raising=False)
     choice = api("mlx").which_path(**args, path="kernel")
     assert choice.path == "chunk" and "unavailable" in choice.reason
@@ -130,12 +129,51 @@ def test_forced_unavailable_kernel_falls_back_once_with_a_warning(monkeypatch, c
     assert mx.all(forced == again).item()
 
 
-def test_choice_is_logged_once(monkeypatch, caplog):
+def test_choice_is_logged_once(monkeypatch, caplog, fresh_path_log):
     x = arrays("torch")
-    monkeypatch.setattr(paths, "_said", set())
     monkeypatch.delenv("GDN2_PATH", raising=False)
     with caplog.at_level(logging.INFO, logger="gdn2"):
         call("torch", x)
         call("torch", x)
     lines = [r.getMessage() for r in caplog.records if r.name == "gdn2"]
     assert len(lines) == 1 and lines[0].startswith("gdn2.torch: chunk")
+
+
+def kernel_package(framework):
+    """The framework's kernel package and the name of its entry function."""
+    if framework == "torch":
+        pytest.importorskip("triton")
+        from gdn2.torch import triton as kernels
+
+        return kernels, "triton_gdn2"
+    from gdn2.mlx import metal as kernels
+
+    return kernels, "metal_gdn2"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_kernel_failure_gives_way_and_a_wrapper_bug_surfaces(framework, monkeypatch, fresh_path_log):
+    """A failure the kernel package declares (compile, launch, resources) gives way to the chunk
+    path with one warning; any other exception from the kernel path propagates."""
+    x = arrays(framework)
+    kernels, entry = kernel_package(framework)
+    monkeypatch.setattr(kernels, "unsupported_reason", lambda *args, **kwargs: None)
+    expected, _ = call(framework, x, path="chunk")
+
+    def raising(error):
+        def kernel(*args, **kwargs):
+            raise error
+
+        return kernel
+
+    for failure in kernels.KERNEL_FAILURES:
+        monkeypatch.setattr(kernels, entry, raising(failure(f"{failure.__name__} from the kernel")))
+        with pytest.warns(RuntimeWarning, match=f"kernel failed: {failure.__name__}: {failure.__name__} from the kernel"):
+            o, _ = call(framework, x, path="kernel")
+        assert np.allclose(o.tolist(), expected.tolist())
+    for bug in (TypeError("a wrapper bug"), AttributeError("a wrapper bug"), ValueError("a wrapper bug")):
+        monkeypatch.setattr(kernels, entry, raising(bug))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback may happen
+            with pytest.raises(type(bug), match="a wrapper bug"):
+                call(framework, x, path="kernel")

@@ -237,7 +237,7 @@ def api_arguments(case):
     return dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], b=a["b"], w=a["w"], initial_state=a["initial_state"])
 
 
-def test_fallback_when_metal_is_missing_or_fails(monkeypatch, seed):
+def test_fallback_when_metal_is_missing_or_fails(monkeypatch, seed, fresh_path_log):
     """The MLX API gives way to the chunk path with one warning; the results stay right."""
     import gdn2.mlx as api
 
@@ -251,7 +251,6 @@ def test_fallback_when_metal_is_missing_or_fails(monkeypatch, seed):
     def failing_launcher(launch):
         raise RuntimeError(f"Unable to build metal library from source for {launch.name} (seed {seed})")
 
-    paths._said.clear()
     monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
     with metal.use_launcher(failing_launcher), pytest.warns(RuntimeWarning, match="Metal kernel failed"):
         o, final = api.chunk_gdn2(**arguments)
@@ -301,14 +300,13 @@ def test_harness_reports_a_write_out_of_bounds(seed):
         harness.run_launch(launch, schedules=(0,))
 
 
-def test_packed_sequences_on_the_kernel_path(monkeypatch, seed):
+def test_packed_sequences_on_the_kernel_path(monkeypatch, seed, fresh_path_log):
     """cu_seqlens through the Metal kernels (run by the harness, as a zero-padded batch): equal to
     each sequence run alone, outputs, final states and every gradient."""
     from frameworks import packed_case, random_lengths, run_packed_mlx
 
     case = packed_case(seed, random_lengths(seed, 3), H=1, K=16, V=8)
     monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
-    monkeypatch.setattr(paths, "_said", set())  # so that a fallback would warn (and fail)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback may happen
         with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
@@ -317,7 +315,7 @@ def test_packed_sequences_on_the_kernel_path(monkeypatch, seed):
         check(f"{name} (packed)", value, case["expected"][name], 2e-5, seed)
 
 
-def test_recurrent_decode_step_runs_the_kernel(monkeypatch, seed):
+def test_recurrent_decode_step_runs_the_kernel(monkeypatch, seed, fresh_path_log):
     """gdn2.mlx.recurrent_gdn2 with T == 1 and a state (the layer's decode step) runs the Metal
     kernel where it can, and equals the spec."""
     import gdn2.mlx as api
@@ -325,7 +323,6 @@ def test_recurrent_decode_step_runs_the_kernel(monkeypatch, seed):
     case = make_case(1, 1, 2, 24, 8, seed)
     a = case["arrays"]
     monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
-    monkeypatch.setattr(paths, "_said", set())  # so that a fallback would warn (and fail)
     used = []
 
     def counting_launcher(launch):

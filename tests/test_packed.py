@@ -33,7 +33,8 @@ def test_empty_sequence_passes_state_through(framework, seed):
 @pytest.mark.parametrize("framework", ["torch", "mlx"])
 def test_split_and_join_sequences_is_exact(framework, seed):
     """The padded-batch adapter that the kernel paths use for packed input, on the chunk path."""
-    from gdn2 import algorithm
+    from gdn2.packing import join_sequences, split_sequences
+    from gdn2.spec import parse_cu_seqlens
 
     case = packed_case(seed, random_lengths(seed, 4))
     if framework == "torch":
@@ -50,9 +51,10 @@ def test_split_and_join_sequences_is_exact(framework, seed):
         from gdn2.mlx.xp import mlx_ops as ops
 
         convert, back = (lambda a: mx.array(a, dtype=mx.float32)), (lambda t: np.array(t).astype(np.float64))
-    rows = [algorithm.split_sequences(ops, convert(case["inputs"][n]), case["cu_seqlens"]) for n in INPUT_NAMES]
+    sequences = parse_cu_seqlens(case["cu_seqlens"], 1, len(case["inputs"]["q"][0]))
+    rows = [split_sequences(ops, convert(case["inputs"][n]), sequences) for n in INPUT_NAMES]
     o, final_state = chunk_gdn2(*rows, initial_state=convert(case["inputs"]["initial_state"]), output_final_state=True, path="chunk")
-    o = algorithm.join_sequences(ops, o, case["cu_seqlens"])
+    o = join_sequences(ops, o, sequences)
     assert relative_error(back(o), case["expected"]["o"]) <= 1e-5
     assert relative_error(back(final_state), case["expected"]["final_state"]) <= 1e-5
 

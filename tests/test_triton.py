@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 
 from frameworks import make_case, run_torch, worst_error  # noqa: E402
 
-from gdn2.paths import _said  # noqa: E402
+from gdn2.paths import forget_announcements  # noqa: E402
 from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
 from gdn2.spec import reference_backward, reference_forward  # noqa: E402
@@ -152,7 +152,7 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
     """Without the interpreter on CPU, a requested kernel gives way to the chunk path, warned once."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN2_PATH", raising=False)
-    _said.clear()
+    forget_announcements()
     case = make_case(1, 20, 1, 8, 8, seed)
     (q, k, v, g, b, w), state = _inputs(case, torch.float32)
     choice = which_path(q, k, v, g, b, w, state, path="kernel")
@@ -174,7 +174,7 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed):
     from frameworks import packed_case, random_lengths, run_packed_torch
 
     case = packed_case(seed, random_lengths(seed, 4), H=1, K=16, V=8)
-    _said.clear()  # so that a fallback would warn (and fail) even if it happened before
+    forget_announcements()  # so that a fallback would warn (and fail) even if it happened before
     assert which_path(*(torch.zeros(1, 1, 1, 16) for _ in range(6)), path="kernel").path == "kernel"
     result = run_packed_torch(case, "kernel", 64)
     for name, value in result.items():

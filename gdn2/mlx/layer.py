@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..spec import sequence_positions
+from ..spec import parse_cu_seqlens
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
 from .ops import chunk_gdn2, recurrent_gdn2
 
@@ -199,7 +199,8 @@ class GatedDeltaNet2(nn.Module):
         mask = padding_mask(attention_mask, B, T, cache)
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
-        positions = None if cu_seqlens is None else sequence_positions(cu_seqlens, B, T)
+        sequences = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens, B, T)  # read once
+        positions = None if sequences is None else sequences.positions()
         x = hidden_states
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         f32 = mx.float32
@@ -236,7 +237,7 @@ class GatedDeltaNet2(nn.Module):
         else:
             o, state = chunk_gdn2(
                 q, k, v, g, b, w, initial_state=state, output_final_state=cache is not None,
-                chunk_size=self.chunk_size, path=self.path, cu_seqlens=cu_seqlens,
+                chunk_size=self.chunk_size, path=self.path, cu_seqlens=sequences,
             )
         if cache is not None:
             cache.recurrent_state = state

@@ -10,6 +10,13 @@ from ..xp import Ops
 
 
 class MlxOps(Ops):
+    def compute_dtype(self, x):
+        # float64 runs on MLX's CPU stream.
+        return mx.float64 if x.dtype == mx.float64 else mx.float32
+
+    def astype(self, x, dtype):
+        return x.astype(dtype)
+
     def exp(self, x):
         if x.dtype == mx.float64:
             # MLX's float64 exp is only float32-accurate (relative error ~2e-6, MLX 0.32); pow is exact.

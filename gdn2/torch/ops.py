@@ -1,37 +1,33 @@
 """PyTorch entry points: ``chunk_gdn2`` (path-selecting) and ``recurrent_gdn2`` (token by token).
 
 The chunk path is a ``torch.autograd.Function`` whose forward is the chunked WY form and whose
-backward is the analytic chunked adjoint (both from ``gdn2/algorithm.py``); the reference path is the
-recurrence in torch ops under autograd; the kernel path is Triton (``gdn2/torch/triton/``).
+backward is the analytic chunked adjoint (both from ``gdn2/algorithm.py``); the reference path is
+the recurrence in torch ops under autograd; the kernel path is Triton (``gdn2/torch/triton/``).
+Validation, path choice and fallback are ``gdn2.paths``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import algorithm
-from ..paths import PathChoice, announce, choose, run_kernel
-from ..spec import default_scale, validate
+from .. import algorithm, paths
+from ..packing import SequenceOffsets
+from ..paths import Framework, KernelBackend, PathChoice
 from .xp import torch_ops
 
 __all__ = ["chunk_gdn2", "recurrent_gdn2", "which_path"]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 stays float64; float32, bfloat16 and float16 are computed in float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 class ChunkGDN2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, b, w, initial_state, scale: float, chunk_size: int, packing):
+    def forward(ctx, q, k, v, g, b, w, initial_state, scale: float, chunk_size: int, sequences):
         ctx.set_materialize_grads(False)
-        dtype = _compute_dtype(q)
+        dtype = torch_ops.compute_dtype(q)
         inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
         state = None if initial_state is None else initial_state.to(dtype)
-        o, final_state, states = algorithm.forward(torch_ops, *inputs, scale, state, chunk_size, packing)
+        o, final_state, states = algorithm.forward(torch_ops, *inputs, scale, state, chunk_size, sequences)
         ctx.save_for_backward(q, k, v, g, b, w, states)
-        ctx.scale, ctx.chunk_size, ctx.packing = scale, chunk_size, packing
+        ctx.scale, ctx.chunk_size, ctx.sequences = scale, chunk_size, sequences
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         return o.to(q.dtype), final_state
 
@@ -44,28 +40,41 @@ class ChunkGDN2(torch.autograd.Function):
             d_o = torch.zeros(v.shape, dtype=dtype, device=v.device)
         d_final = None if d_final_state is None else d_final_state.to(dtype)
         *grads, d_initial = algorithm.backward(
-            torch_ops, *inputs, ctx.scale, states, d_o.to(dtype), d_final, ctx.chunk_size, ctx.packing
+            torch_ops, *inputs, ctx.scale, states, d_o.to(dtype), d_final, ctx.chunk_size, ctx.sequences
         )
         grads = [grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g, b, w))]
         d_initial = None if ctx.initial_dtype is None else d_initial.to(ctx.initial_dtype)
         return (*grads, d_initial, None, None, None)
 
 
-def _kernel_module():
-    try:
-        from . import triton as kernel
-    except Exception as error:  # Triton missing or the kernels failed to import
-        return None, f"Triton kernels unavailable ({type(error).__name__}: {error})"
-    return kernel, None
+def _chunk(q, k, v, g, b, w, *, scale, initial_state, chunk_size, sequences):
+    return ChunkGDN2.apply(q, k, v, g, b, w, initial_state, scale, chunk_size, sequences)
+
+
+def _off_cuda(q) -> str | None:
+    if q.device.type == "cuda":
+        return None
+    return f"tensors on {q.device.type} (the Triton interpreter runs only when forced)"
+
+
+def _triton_backend() -> KernelBackend:
+    from . import triton
+
+    return KernelBackend(
+        name="Triton kernel",
+        unsupported_reason=triton.unsupported_reason,
+        call=triton.triton_gdn2,
+        failures=triton.KERNEL_FAILURES,
+        automatic_reason=_off_cuda,
+    )
+
+
+TORCH = Framework(name="torch", ops=torch_ops, kernel_name="Triton kernel", load_kernel=_triton_backend, chunk=_chunk)
 
 
 def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path: str | None = None) -> PathChoice:
     """The path ``chunk_gdn2`` takes for these arguments, and why."""
-    kernel, problem = _kernel_module()
-    if problem is None:
-        problem = kernel.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
-    on_cpu = None if q.device.type == "cuda" else f"tensors on {q.device.type} (the Triton interpreter runs only when forced)"
-    return choose(path, problem, "Triton kernel", on_cpu)
+    return paths.which_path(TORCH, q, k, v, g, b, w, initial_state, chunk_size, path)
 
 
 def chunk_gdn2(
@@ -80,7 +89,7 @@ def chunk_gdn2(
     output_final_state: bool = False,
     chunk_size: int = 64,
     path: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | SequenceOffsets | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet-2 over a sequence, differentiable in every input.
 
@@ -95,30 +104,17 @@ def chunk_gdn2(
         chunk_size: tokens per chunk of the chunked form.
         path: ``"reference"``, ``"chunk"``, ``"kernel"`` or None (``GDN2_PATH``, else automatic).
         cu_seqlens: ``[N + 1]`` integer offsets of N sequences packed along T (B must be 1), on
-            q's device; the state restarts at each sequence, and the states have N rows.
+            q's device, or those offsets already parsed (``gdn2.spec.parse_cu_seqlens``); the
+            state restarts at each sequence, and the states have N rows.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the dtype of q; final_state ``[B, H, K, V]``
         float32 (float64 for float64 inputs), or None unless ``output_final_state``.
     """
-    dims = _validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
-    scale = default_scale(dims.K, scale)
-    choice = which_path(q, k, v, g, b, w, initial_state, chunk_size, path)
-    announce("torch", choice)
-    if choice.path == "kernel":
-        kernel, _ = _kernel_module()
-        result = run_kernel(
-            "torch", "Triton kernel",
-            lambda *x: kernel.triton_gdn2(*x, scale=scale, initial_state=initial_state, output_final_state=output_final_state),
-            torch_ops, (q, k, v, g, b, w), cu_seqlens,
-        )
-        if result is not None:
-            return result
-    if choice.path == "reference":
-        return _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens)
-    packing = None if cu_seqlens is None else algorithm.Packing.build(cu_seqlens, chunk_size)
-    o, final_state = ChunkGDN2.apply(q, k, v, g, b, w, initial_state, scale, chunk_size, packing)
-    return o, (final_state if output_final_state else None)
+    return paths.run(
+        TORCH, q, k, v, g, b, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        chunk_size=chunk_size, path=path, cu_seqlens=cu_seqlens,
+    )
 
 
 def recurrent_gdn2(
@@ -132,25 +128,13 @@ def recurrent_gdn2(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | SequenceOffsets | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token GDN-2 (same arguments and shapes as ``chunk_gdn2``; ``chunk_size`` unused).
 
     With ``T == 1`` and a state this is the decode step. Differentiated by autograd.
     """
-    dims = _validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
-    return _reference(q, k, v, g, b, w, default_scale(dims.K, scale), initial_state, output_final_state, cu_seqlens)
-
-
-def _validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens):
-    if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens: expected a tensor on {q.device} (the device of q), received one on {cu_seqlens.device}")
-    return validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
-
-
-def _reference(q, k, v, g, b, w, scale, initial_state, output_final_state, cu_seqlens=None):
-    dtype = _compute_dtype(q)
-    inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
-    state = None if initial_state is None else initial_state.to(dtype)
-    o, final_state = algorithm.recurrent(torch_ops, *inputs, scale, state, cu_seqlens)
-    return o.to(q.dtype), (final_state if output_final_state else None)
+    return paths.run_recurrent(
+        TORCH, q, k, v, g, b, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+    )

@@ -9,6 +9,12 @@ from ..xp import Ops
 
 
 class TorchOps(Ops):
+    def compute_dtype(self, x):
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def astype(self, x, dtype):
+        return x.to(dtype)
+
     def exp(self, x):
         return torch.exp(x)
 

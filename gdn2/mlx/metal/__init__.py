@@ -68,6 +68,10 @@ from .scan_source import (
 
 __all__ = ["unsupported_reason", "metal_gdn2", "KernelLaunch", "use_launcher", "Geometry", "use_geometry"]
 
+# What a kernel failure raises: MLX reports a Metal library that fails to build or a launch that
+# fails as RuntimeError, and ``metal_gdn2`` raises any failure of ``probe`` as RuntimeError.
+KERNEL_FAILURES = (RuntimeError,)
+
 MAX_KEY_DIM = 256
 MAX_VALUE_DIM = 256
 SIMD_WIDTH = 32

@@ -20,9 +20,15 @@ from __future__ import annotations
 import os
 
 import torch
+from triton.errors import TritonError
 
 from .backward import intra_backward, state_backward
 from .forward import CHUNK, intra_forward, output, state_forward
+
+# What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
+# or registers (OutOfResources), ptxas (PTXASError) and the interpreter (InterpreterError); a CUDA
+# launch failure ("Triton Error [CUDA]: ...") and torch.cuda.OutOfMemoryError are RuntimeErrors.
+KERNEL_FAILURES = (TritonError, RuntimeError)
 
 MAX_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
