@@ -233,6 +233,19 @@ def compile_source(source: str) -> ctypes.CDLL:
 last_threadgroup_bytes = 0  # threadgroup memory the last launch declared (measured by the shim)
 
 
+def prepare(launches) -> None:
+    """Generate and compile the sources of several launches at once (g++ runs in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sources = [generated_source(launch) for launch in launches]
+    units = {}
+    for source in sources:
+        units.setdefault(source, None)
+    _precompiled_shim()
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(compile_source, units))
+
+
 class OutOfBounds(HarnessError):
     """A kernel wrote outside an output buffer (the guard bytes around it changed)."""
 

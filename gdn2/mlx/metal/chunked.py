@@ -1,0 +1,299 @@
+"""Chunked (WY) GDN-2 on Metal: launchers and the differentiable entry ``chunked_gdn2``.
+
+The kernels (``chunked_source.py``) follow ``gdn2/algorithm.py`` with chunks of ``C = 32`` steps
+and 8x8 ``simdgroup_matrix`` tiles:
+
+    forward    INTRA (P, (I + A)^-1 per chunk, parallel) -> FORWARD (sequential over chunks per
+               value tile: o, final state)
+    backward   INTRA -> FORWARD saving the state entering each chunk and U -> STATE_BACKWARD
+               (reverse over chunks per value tile: dS per chunk, Z = (I + A)^-T dU, dv, dw, the
+               initial state's gradient) -> BACKWARD (parallel over chunks: dq, dk, dg, db)
+
+Counted costs (ESTIMATES, not measurements; per token and head, C = 32, K = V = 128; a
+multiply-add is 2 FLOP; "M3 Max" means 40 GPU cores, ~14 TFLOP/s fp32, ~400 GB/s; the 8x8
+matrix units are assumed to reach half of the fp32 peak on these small tiles):
+
+    kernel          FLOP                       bytes read + written (float32 buffers, 2-byte inputs)
+    INTRA           C K (A, P) + C^2 / 3       4 K * 2 + 2 C^2 * 4 / C = 1.3 kB
+                    ~ 8.5 kFLOP (x1; the diagonal tiles are scalar: 36 K exp per 8 steps)
+    FORWARD         6 K V + 2 C (K + V) ...    inputs 4 K + 2 V, o V, P and inverse 2 C^2 / C per
+                    ~ 114 kFLOP; the key-side  value tile (x V / BV), state in registers;
+                    staging is redone per      training adds states K V * 4 / C and U V * 4
+                    value tile (V / BV = 4)
+    STATE_BACKWARD  ~ 6 K V + 2 C (K + V)      as FORWARD, plus dS per chunk K V * 4 / C, Z V * 4
+    BACKWARD        ~ 6 K V + 2 C V + 8 C K    states and dS per chunk (2 K V * 4 / C), U, Z, d_o,
+                    ~ 130 kFLOP                key inputs; dq dk dg db out
+
+    forward: ~125 kFLOP/token-head -> at B=8 T=4096 H=16 (0.52 M token-heads) 66 GFLOP: ~9 ms at
+    7 TFLOP/s; bytes ~1.5 GB -> ~4 ms at 400 GB/s: EXPECTED ~10-15 ms on an M3 Max (estimate).
+    forward+backward: ~4x the forward FLOP (forward twice, two backward kernels) and ~8 GB of
+    traffic (states and dS at 16 kB per token-head / C): EXPECTED ~50-70 ms (estimate).
+
+Threadgroups: 128 threads (4 simdgroups) for every kernel; threadgroup memory per kernel from
+``threadgroup_bytes`` (INTRA 27.6 kB, FORWARD and STATE_BACKWARD 16.5 kB, BACKWARD 27.7 kB at
+C = 32, BK = 32; all under 32 kB, checked in tests against what the harness measures).
+Registers per thread (estimate): FORWARD and STATE_BACKWARD 2 * ceil(K / 8) for the state (64 at
+K = 256) + 4 * C / 8 * 2 for the accumulators (32) + addressing, ~110 at K = 256, ~80 at K = 128;
+INTRA and BACKWARD ~40.
+
+Memory (training, beyond inputs and gradients): states and dS, 2 * B H N Kp Vp * 4 bytes; U and
+Z, 2 * B H N C Vp * 4; P and the inverse, 2 * B H N C^2 * 4 (``training_bytes``). At B=8 T=4096
+H=16 K=V=128: 2.15 GB + 0.27 GB + 0.27 GB.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .chunked_source import (
+    BACKWARD_INPUTS,
+    BACKWARD_OUTPUTS,
+    BACKWARD_SOURCE,
+    FORWARD_INPUTS,
+    FORWARD_OUTPUTS,
+    FORWARD_SOURCE,
+    HEADER,
+    INTRA_INPUTS,
+    INTRA_OUTPUTS,
+    INTRA_SOURCE,
+    STATE_BACKWARD_INPUTS,
+    STATE_BACKWARD_OUTPUTS,
+    STATE_BACKWARD_SOURCE,
+)
+
+__all__ = ["ChunkGeometry", "chunked_gdn2", "threadgroup_bytes", "training_bytes", "KERNELS"]
+
+SIMD_WIDTH = 32
+THREADGROUP_MEMORY_LIMIT = 32 * 1024
+KERNELS = ("intra", "forward", "state_backward", "backward")
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """Chunk length, simdgroups per threadgroup, and key channels staged per block (the
+    sequential kernels use ``key_block``, INTRA ``intra_key_block``; BACKWARD always 8)."""
+
+    chunk: int = 32
+    simdgroups: int = 4
+    key_block: int = 32
+    intra_key_block: int = 16
+
+    @property
+    def threads(self) -> int:
+        return SIMD_WIDTH * self.simdgroups
+
+    @property
+    def value_tile(self) -> int:
+        return 8 * self.simdgroups
+
+
+def _round8(x: int) -> int:
+    return -(-x // 8) * 8
+
+
+def geometry_for(K: int, override: ChunkGeometry | None = None) -> ChunkGeometry:
+    """The launch geometry: key blocks no wider than the (padded) key dimension."""
+    base = override or ChunkGeometry()
+    return ChunkGeometry(base.chunk, base.simdgroups, min(base.key_block, _round8(K)),
+                         min(base.intra_key_block, _round8(K)))
+
+
+def threadgroup_bytes(kernel: str, K: int, geometry: ChunkGeometry) -> int:
+    """Threadgroup memory one threadgroup of ``kernel`` declares (mirrors the sources)."""
+    C = geometry.chunk
+    right_rows = 4 * (C // 8) * (C // 8 - 1)
+    if kernel == "intra":
+        floats = (6 * C + right_rows) * geometry.intra_key_block + 3 * C * C
+    elif kernel in ("forward", "state_backward"):
+        floats = 2 * C * C + 2 * C * geometry.key_block + geometry.key_block
+    elif kernel == "backward":
+        floats = 2 * C * C + 16 * C * 8 + 2 * right_rows * 8 + 16
+    else:
+        raise ValueError(kernel)
+    return 4 * floats
+
+
+def training_bytes(B: int, T: int, H: int, K: int, V: int, geometry: ChunkGeometry | None = None) -> int:
+    """Transient float32 buffers of one forward+backward (states and dS, U and Z, P and the
+    inverse); the inputs, the outputs and the gradients are not counted."""
+    geometry = geometry_for(K, geometry)
+    C = geometry.chunk
+    N = -(-T // C)
+    Kp, Vp = _round8(K), _round8(V)
+    return 4 * B * H * N * (2 * Kp * Vp + 2 * C * Vp + 2 * C * C)
+
+
+@lru_cache(maxsize=None)
+def _metal_kernel(name: str, source: str, input_names: tuple[str, ...], output_names: tuple[str, ...]):
+    return mx.fast.metal_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                                source=source, header=HEADER)
+
+
+def _package():
+    return importlib.import_module(__package__)
+
+
+def _launch(name, source, input_names, output_names, inputs, template, groups, geometry, output_shapes, output_dtypes):
+    package = _package()
+    threads = geometry.threads
+    launch = package.KernelLaunch(
+        name=name,
+        source=source,
+        input_names=input_names,
+        output_names=output_names,
+        inputs=inputs,
+        template=template,
+        grid=(threads * groups[0], groups[1], groups[2]),
+        threadgroup=(threads, 1, 1),
+        output_shapes=output_shapes,
+        output_dtypes=output_dtypes,
+        kernel=_metal_kernel(name, source, input_names, output_names),
+    )
+    return launch
+
+
+def _template(dtype, K: int, geometry: ChunkGeometry, key_block: int | None) -> list:
+    template = [("InT", dtype), ("K", K), ("C", geometry.chunk), ("NS", geometry.simdgroups)]
+    if key_block is not None:
+        template.append(("BK", key_block))
+    return template
+
+
+def _meta(T: int, H: int, N: int, V: int, save: bool = False) -> mx.array:
+    return mx.array([T, H, N, V, int(save)], dtype=mx.int32)
+
+
+def intra_launch(q, k, g, b, geometry: ChunkGeometry):
+    B, T, H, K = q.shape
+    C = geometry.chunk
+    N = -(-T // C)
+    return _launch(
+        "gdn2_chunk_intra", INTRA_SOURCE, INTRA_INPUTS, INTRA_OUTPUTS,
+        [q, k, g, b, _meta(T, H, N, 0)], _template(q.dtype, K, geometry, geometry.intra_key_block),
+        (1, N, B * H), geometry, [(B, H, N, C, C), (B, H, N, C, C)], [mx.float32, mx.float32],
+    )
+
+
+def forward_launch(q, k, v, g, b, w, state0, P, inverse, scale: float, geometry: ChunkGeometry, save: bool):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = geometry.chunk
+    N = -(-T // C)
+    Kp, Vp = _round8(K), _round8(V)
+    tiles = -(-Vp // geometry.value_tile)
+    saved = [(B, H, N, Kp, Vp), (B, H, N * C, Vp)] if save else [(1,), (1,)]
+    return _launch(
+        "gdn2_chunk_forward", FORWARD_SOURCE, FORWARD_INPUTS, FORWARD_OUTPUTS,
+        [q, k, v, g, b, w, state0, P, inverse, _meta(T, H, N, V, save), mx.array([scale], dtype=mx.float32)],
+        _template(q.dtype, K, geometry, geometry.key_block), (1, tiles, B * H), geometry,
+        [(B, T, H, V), (B, H, K, V), *saved], [q.dtype, mx.float32, mx.float32, mx.float32],
+    )
+
+
+def state_backward_launch(q, k, v, g, b, w, d_o, d_final, P, inverse, scale: float, geometry: ChunkGeometry):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = geometry.chunk
+    N = -(-T // C)
+    Kp, Vp = _round8(K), _round8(V)
+    tiles = -(-Vp // geometry.value_tile)
+    return _launch(
+        "gdn2_chunk_state_backward", STATE_BACKWARD_SOURCE, STATE_BACKWARD_INPUTS, STATE_BACKWARD_OUTPUTS,
+        [q, k, v, g, b, w, d_o, d_final, P, inverse, _meta(T, H, N, V), mx.array([scale], dtype=mx.float32)],
+        _template(q.dtype, K, geometry, geometry.key_block), (1, tiles, B * H), geometry,
+        [(B, T, H, V), (B, T, H, V), (B, H, K, V), (B, H, N, Kp, Vp), (B, H, N * C, Vp)],
+        [q.dtype, q.dtype, mx.float32, mx.float32, mx.float32],
+    )
+
+
+def backward_launch(q, k, g, b, d_o, checkpoints, d_states, new_values, z, V: int, scale: float,
+                    geometry: ChunkGeometry):
+    B, T, H, K = q.shape
+    N = -(-T // geometry.chunk)
+    return _launch(
+        "gdn2_chunk_backward", BACKWARD_SOURCE, BACKWARD_INPUTS, BACKWARD_OUTPUTS,
+        [q, k, g, b, d_o, checkpoints, d_states, new_values, z, _meta(T, H, N, V),
+         mx.array([scale], dtype=mx.float32)],
+        _template(q.dtype, K, geometry, None), (1, N, B * H), geometry,
+        [(B, T, H, K)] * 4, [q.dtype] * 4,
+    )
+
+
+_geometry_override: list[ChunkGeometry | None] = [None]
+
+
+def use_chunk_geometry(geometry: ChunkGeometry | None):
+    """Force the chunk geometry (tests use C = 16 so that short inputs span several chunks)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        saved = _geometry_override[0]
+        _geometry_override[0] = geometry
+        try:
+            yield
+        finally:
+            _geometry_override[0] = saved
+
+    return scope()
+
+
+def run(launch) -> list:
+    return _package().launcher(launch)
+
+
+def forward(q, k, v, g, b, w, state0, scale: float, geometry: ChunkGeometry, save: bool):
+    """(o, final_state, states, U) through INTRA and FORWARD (states and U only when ``save``)."""
+    P, inverse = run(intra_launch(q, k, g, b, geometry))
+    return run(forward_launch(q, k, v, g, b, w, state0, P, inverse, scale, geometry, save))
+
+
+def backward(q, k, v, g, b, w, state0, d_o, d_final, scale: float, geometry: ChunkGeometry):
+    """Every gradient: (dq, dk, dv, dg, db, dw, d_state0) in the inputs' dtypes (state: float32)."""
+    P, inverse = run(intra_launch(q, k, g, b, geometry))
+    _, _, states, new_values = run(forward_launch(q, k, v, g, b, w, state0, P, inverse, scale, geometry, True))
+    d_v, d_w, d_state0, d_states, z = run(
+        state_backward_launch(q, k, v, g, b, w, d_o, d_final, P, inverse, scale, geometry))
+    d_q, d_k, d_g, d_b = run(
+        backward_launch(q, k, g, b, d_o, states, d_states, new_values, z, v.shape[-1], scale, geometry))
+    return d_q, d_k, d_v, d_g, d_b, d_w, d_state0
+
+
+@lru_cache(maxsize=None)
+def _chunked_function(scale: float, geometry: ChunkGeometry):
+    """One ``mx.custom_function`` per (scale, geometry): (o, final_state) of the 7 arrays."""
+
+    @mx.custom_function
+    def gdn2_chunked(q, k, v, g, b, w, state0):
+        o, final_state, _, _ = forward(q, k, v, g, b, w, state0, scale, geometry, save=False)
+        return o, final_state
+
+    @gdn2_chunked.vjp
+    def gdn2_chunked_vjp(primals, cotangents, outputs):
+        q, k, v, g, b, w, state0 = primals
+        d_o, d_final = cotangents
+        d_o = mx.zeros(v.shape, dtype=q.dtype) if d_o is None else d_o  # read in its own dtype
+        d_final = mx.zeros(state0.shape, dtype=mx.float32) if d_final is None else d_final.astype(mx.float32)
+        *grads, d_state0 = backward(q, k, v, g, b, w, state0, d_o, d_final, scale, geometry)
+        grads = [grad.astype(x.dtype) for grad, x in zip(grads, primals)]
+        return (*grads, d_state0.astype(state0.dtype))
+
+    return gdn2_chunked
+
+
+def chunked_gdn2(q, k, v, g, b, w, scale: float, initial_state=None):
+    """GDN-2 on the chunked Metal kernels: ``(o [B, T, H, V] in q's dtype, final_state float32)``.
+
+    q, k, g, b ``[B, T, H, K]``; v, w ``[B, T, H, V]`` (float32, float16 or bfloat16, K, V <= 256);
+    ``initial_state`` float32 ``[B, H, K, V]`` or None (zeros). Differentiable in every input and
+    in ``initial_state`` (``mx.custom_function``).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    geometry = geometry_for(K, _geometry_override[0])
+    state0 = mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)
+    return _chunked_function(float(scale), geometry)(q, k, v, g, b, w, state0)
