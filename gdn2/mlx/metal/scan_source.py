@@ -304,3 +304,220 @@ BACKWARD_SOURCE = """
         }
     }
 """
+
+
+# ---- the scan with the key-side reduction inside the backward ---------------------------------
+# Same per-column scan; H is a runtime value (meta[3]) and the checkpoint interval C a template
+# value independent of T; checkpoints, the replay scratch and the saved dS are laid out with the
+# lane index fastest ([..., column, i, lane] for key channel lane + 32 i), so every simd access is
+# one contiguous 128-byte line.
+
+SCAN_FORWARD_INPUTS = FORWARD_INPUTS
+SCAN_FORWARD_OUTPUTS = FORWARD_OUTPUTS
+
+SCAN_FORWARD_SOURCE = FORWARD_SOURCE.replace(
+    "const uint b_idx = bh / H;\n    const uint h_idx = bh % H;",
+    "const uint H = uint(meta[3]);\n    const uint b_idx = bh / H;\n    const uint h_idx = bh % H;",
+).replace(
+    "checkpoints[((ulong(bh) * n_checkpoints + t / C) * K + kk) * V + j] = S[i][c];",
+    "checkpoints[((ulong(bh) * n_checkpoints + t / C) * V + j) * (KPL * 32) + kk] = S[i][c];",
+)
+assert SCAN_FORWARD_SOURCE.count("uint(meta[3])") == 1 and "* (KPL * 32) + kk]" in SCAN_FORWARD_SOURCE
+
+SCAN_BACKWARD_INPUTS = ("q", "k", "v", "g", "b", "w", "d_o", "d_final", "checkpoints", "meta", "scale")
+SCAN_BACKWARD_OUTPUTS = ("d_q", "d_k", "d_v", "d_g", "d_b", "d_w", "d_state0", "scratch", "saved_dS", "key_sums")
+
+SCAN_BACKWARD_SOURCE = """
+    // Reverse scan, one threadgroup per batch * head covering every value column: per chunk of C
+    // steps (last first) and per value tile, replay the chunk from its checkpoint into this
+    // group's scratch, then walk it backwards applying the adjoint of each step. dS of a tile is
+    // kept between chunks in saved_dS. Key-side gradients (dq, sum_j dS u, dg, d(b k)) are sums
+    // over value columns: lanes sum their columns, the group its simdgroups (threadgroup memory),
+    // and the tiles are summed in key_sums[C, 4, K] (each key channel by one thread throughout,
+    // so no barrier orders these device accesses); the last tile writes the gradients.
+    const uint lane = thread_index_in_simdgroup;
+    const uint sg = simdgroup_index_in_threadgroup;
+    const uint tid = thread_position_in_threadgroup.x;
+    const uint bh = threadgroup_position_in_grid.z;
+    const uint steps = uint(meta[0]);
+    const uint tiles = uint(meta[2]);
+    const uint H = uint(meta[3]);
+    const uint b_idx = bh / H;
+    const uint h_idx = bh % H;
+    const uint n_checkpoints = (steps + C - 1) / C;
+    const float scale_value = scale[0];
+    constexpr uint KP = KPL * 32;  // key channels padded to whole lanes
+    constexpr uint TILE = NS * CPS;
+
+    threadgroup float staged_q[K];
+    threadgroup float staged_k[K];
+    threadgroup float staged_bk[K];
+    threadgroup float staged_a[K];
+    threadgroup float reduce_buffer[4 * NS * K];
+
+    for (uint n = n_checkpoints; n-- > 0;) {
+        const uint t_begin = n * C;
+        const uint t_end = metal::min(steps, t_begin + C);
+        for (uint tile = 0; tile < tiles; ++tile) {
+            const uint col0 = tile * TILE + sg * CPS;
+            float dS[KPL][CPS];
+            float S[KPL][CPS];
+            for (uint i = 0; i < KPL; ++i) {
+                const uint kk = lane + 32 * i;
+                for (uint c = 0; c < CPS; ++c) {
+                    const uint j = col0 + c;
+                    const bool inside = kk < K && j < V;
+                    dS[i][c] = !inside ? 0.0f
+                             : (n + 1 == n_checkpoints) ? d_final[(ulong(bh) * K + kk) * V + j]
+                                                        : saved_dS[(ulong(bh) * V + j) * KP + kk];
+                    S[i][c] = inside ? checkpoints[((ulong(bh) * n_checkpoints + n) * V + j) * KP + kk] : 0.0f;
+                }
+            }
+
+            // Replay the chunk forward from its checkpoint.
+            for (uint t = t_begin; t < t_end; ++t) {
+                for (uint kk = tid; kk < K; kk += NS * 32) {
+                    const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
+                    const float kv = float(k[off]);
+                    staged_k[kk] = kv;
+                    staged_bk[kk] = float(b[off]) * kv;
+                    staged_a[kk] = metal::exp(float(g[off]));
+                }
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                for (uint c = 0; c < CPS; ++c) {
+                    const uint j = col0 + c;
+                    const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
+                    const float wv = (j < V) ? float(w[off_v]) * float(v[off_v]) : 0.0f;
+                    float erased_part = 0.0f;
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        if (kk < K) {
+                            scratch[((ulong(bh) * C + (t - t_begin)) * TILE + sg * CPS + c) * KP + kk] = S[i][c];
+                            erased_part += staged_bk[kk] * staged_a[kk] * S[i][c];
+                        }
+                    }
+                    const float u = wv - simd_sum(erased_part);
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        if (kk < K) {
+                            S[i][c] = staged_a[kk] * S[i][c] + staged_k[kk] * u;
+                        }
+                    }
+                }
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+
+            // Walk the chunk backwards.
+            for (uint t = t_end; t-- > t_begin;) {
+                for (uint kk = tid; kk < K; kk += NS * 32) {
+                    const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
+                    const float kv = float(k[off]);
+                    staged_q[kk] = float(q[off]);
+                    staged_k[kk] = kv;
+                    staged_bk[kk] = float(b[off]) * kv;
+                    staged_a[kk] = metal::exp(float(g[off]));
+                }
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+
+                float acc_q[KPL], acc_ku[KPL], acc_g[KPL], acc_bk[KPL];
+                for (uint i = 0; i < KPL; ++i) {
+                    acc_q[i] = 0.0f;
+                    acc_ku[i] = 0.0f;
+                    acc_g[i] = 0.0f;
+                    acc_bk[i] = 0.0f;
+                }
+                for (uint c = 0; c < CPS; ++c) {
+                    const uint j = col0 + c;
+                    const bool column = j < V;
+                    const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
+                    const float vv = column ? float(v[off_v]) : 0.0f;
+                    const float wv = column ? float(w[off_v]) : 0.0f;
+                    const float dov = column ? scale_value * float(d_o[off_v]) : 0.0f;
+                    float D[KPL];
+                    float erased_part = 0.0f;
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        const float prev = (kk < K && column)
+                            ? scratch[((ulong(bh) * C + (t - t_begin)) * TILE + sg * CPS + c) * KP + kk] : 0.0f;
+                        D[i] = (kk < K) ? staged_a[kk] * prev : 0.0f;
+                        erased_part += (kk < K) ? staged_bk[kk] * D[i] : 0.0f;
+                    }
+                    const float u = wv * vv - simd_sum(erased_part);
+                    float du_part = 0.0f;
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        if (kk < K) {
+                            const float state_t = D[i] + staged_k[kk] * u;
+                            acc_q[i] += state_t * dov;
+                            dS[i][c] += staged_q[kk] * dov;
+                            du_part += staged_k[kk] * dS[i][c];
+                        }
+                    }
+                    const float du = simd_sum(du_part);
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        if (kk < K) {
+                            acc_ku[i] += dS[i][c] * u;
+                            acc_bk[i] -= D[i] * du;
+                            const float dD = dS[i][c] - staged_bk[kk] * du;
+                            acc_g[i] += dD * D[i];
+                            dS[i][c] = dD * staged_a[kk];
+                        }
+                    }
+                    if (lane == 0 && column) {
+                        d_v[off_v] = static_cast<InT>(du * wv);
+                        d_w[off_v] = static_cast<InT>(du * vv);
+                    }
+                }
+                for (uint i = 0; i < KPL; ++i) {
+                    const uint kk = lane + 32 * i;
+                    if (kk < K) {
+                        reduce_buffer[(0 * NS + sg) * K + kk] = acc_q[i];
+                        reduce_buffer[(1 * NS + sg) * K + kk] = acc_ku[i];
+                        reduce_buffer[(2 * NS + sg) * K + kk] = acc_g[i];
+                        reduce_buffer[(3 * NS + sg) * K + kk] = acc_bk[i];
+                    }
+                }
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                // Sum over simdgroups, then over tiles. The next writes to reduce_buffer come
+                // after the next step's first barrier, which every thread reaches only after this.
+                for (uint kk = tid; kk < K; kk += NS * 32) {
+                    float total[4];
+                    for (uint part = 0; part < 4; ++part) {
+                        total[part] = 0.0f;
+                        for (uint s = 0; s < NS; ++s) {
+                            total[part] += reduce_buffer[(part * NS + s) * K + kk];
+                        }
+                        const ulong at = ((ulong(bh) * C + (t - t_begin)) * 4 + part) * K + kk;
+                        if (tile > 0) {
+                            total[part] += key_sums[at];
+                        }
+                        key_sums[at] = total[part];
+                    }
+                    if (tile + 1 == tiles) {
+                        const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
+                        const float kv = float(k[off]);
+                        d_q[off] = static_cast<InT>(total[0]);
+                        d_k[off] = static_cast<InT>(total[1] + total[3] * float(b[off]));
+                        d_g[off] = static_cast<InT>(total[2]);
+                        d_b[off] = static_cast<InT>(total[3] * kv);
+                    }
+                }
+            }
+
+            for (uint i = 0; i < KPL; ++i) {
+                const uint kk = lane + 32 * i;
+                for (uint c = 0; c < CPS; ++c) {
+                    const uint j = col0 + c;
+                    if (kk < K && j < V) {
+                        if (n == 0) {
+                            d_state0[(ulong(bh) * K + kk) * V + j] = dS[i][c];
+                        } else {
+                            saved_dS[(ulong(bh) * V + j) * KP + kk] = dS[i][c];
+                        }
+                    }
+                }
+            }
+        }
+    }
+"""
