@@ -9,36 +9,31 @@ and 8x8 ``simdgroup_matrix`` tiles:
                (reverse over chunks per value tile: dS per chunk, Z = (I + A)^-T dU, dv, dw, the
                initial state's gradient) -> BACKWARD (parallel over chunks: dq, dk, dg, db)
 
-Counted costs (ESTIMATES, not measurements; per token and head, C = 32, K = V = 128; a
-multiply-add is 2 FLOP; "M3 Max" means 40 GPU cores, ~14 TFLOP/s fp32, ~400 GB/s; the 8x8
-matrix units are assumed to reach half of the fp32 peak on these small tiles):
+Counted cost (``cost.chunked_cost``; ESTIMATES, nothing here was measured: no Mac was available).
+Per token and head at K = V = 128, bf16 inputs, C = 32, a multiply-add counted as 2 FLOP, bytes
+of device memory (re-reads by other threadgroups assumed to hit the caches), and the estimated
+time at B=8 T=4096 H=16 on an M3 Max (40-core GPU, 14.2 TFLOP/s fp32, 400 GB/s; the 8x8 matrix
+tiles assumed to run at half of the fp32 peak):
 
-    kernel          FLOP                       bytes read + written (float32 buffers, 2-byte inputs)
-    INTRA           C K (A, P) + C^2 / 3       4 K * 2 + 2 C^2 * 4 / C = 1.3 kB
-                    ~ 8.5 kFLOP (x1; the diagonal tiles are scalar: 36 K exp per 8 steps)
-    FORWARD         6 K V + 2 C (K + V) ...    inputs 4 K + 2 V, o V, P and inverse 2 C^2 / C per
-                    ~ 114 kFLOP; the key-side  value tile (x V / BV), state in registers;
-                    staging is redone per      training adds states K V * 4 / C and U V * 4
-                    value tile (V / BV = 4)
-    STATE_BACKWARD  ~ 6 K V + 2 C (K + V)      as FORWARD, plus dS per chunk K V * 4 / C, Z V * 4
-    BACKWARD        ~ 6 K V + 2 C V + 8 C K    states and dS per chunk (2 K V * 4 / C), U, Z, d_o,
-                    ~ 130 kFLOP                key inputs; dq dk dg db out
+    kernel                         kFLOP   bytes    est. ms   threadgroup memory  registers/thread (est.)
+    INTRA                           12.2    1280     1.7      27.6 kB             ~40
+    FORWARD                        114.7    2048     8.5      16.5 kB             ~75 (K=128), ~105 (K=256)
+    FORWARD saving states and U    114.7    4608     8.5      16.5 kB             as FORWARD
+    STATE_BACKWARD                 114.7    5120     8.5      16.5 kB             as FORWARD
+    BACKWARD                       141.8    7424    10.5      27.7 kB             ~45
 
-    forward: ~125 kFLOP/token-head -> at B=8 T=4096 H=16 (0.52 M token-heads) 66 GFLOP: ~9 ms at
-    7 TFLOP/s; bytes ~1.5 GB -> ~4 ms at 400 GB/s: EXPECTED ~10-15 ms on an M3 Max (estimate).
-    forward+backward: ~4x the forward FLOP (forward twice, two backward kernels) and ~8 GB of
-    traffic (states and dS at 16 kB per token-head / C): EXPECTED ~50-70 ms (estimate).
+    ESTIMATED: forward 10.2 ms, forward+backward 39.3 ms at B=8 T=4096 H=16 K=V=128 bf16
+    (the scan: 16.5 ms and 211 ms); K=V=256: 35.7 ms and 140 ms.
 
-Threadgroups: 128 threads (4 simdgroups) for every kernel; threadgroup memory per kernel from
-``threadgroup_bytes`` (INTRA 27.6 kB, FORWARD and STATE_BACKWARD 16.5 kB, BACKWARD 27.7 kB at
-C = 32, BK = 32; all under 32 kB, checked in tests against what the harness measures).
-Registers per thread (estimate): FORWARD and STATE_BACKWARD 2 * ceil(K / 8) for the state (64 at
-K = 256) + 4 * C / 8 * 2 for the accumulators (32) + addressing, ~110 at K = 256, ~80 at K = 128;
-INTRA and BACKWARD ~40.
+Registers: FORWARD and STATE_BACKWARD hold the simdgroup's 8 columns of the state as ceil(K / 8)
+tiles (2 floats per lane each) plus 2 * C / 8 accumulator tiles; the others hold a few tiles.
+Every kernel runs 128 threads (4 simdgroups); the threadgroup memory above is at C = 32 and
+K >= 32 (``threadgroup_bytes``; tests compare it with what the harness measures, all <= 32 KiB).
 
-Memory (training, beyond inputs and gradients): states and dS, 2 * B H N Kp Vp * 4 bytes; U and
-Z, 2 * B H N C Vp * 4; P and the inverse, 2 * B H N C^2 * 4 (``training_bytes``). At B=8 T=4096
-H=16 K=V=128: 2.15 GB + 0.27 GB + 0.27 GB.
+Memory (training, besides inputs and gradients; ``training_bytes``): states and dS, 2 B H N Kp Vp
+floats; U and Z, 2 B H N C Vp; P and the inverse, 2 B H N C^2: 2.6 GiB at B=8 T=4096 H=16
+K=V=128, 9.1 GiB at K=V=256 (where ``dispatch.plan`` falls back to the scan's backward if that
+exceeds half of the GPU's recommended working set).
 """
 
 from __future__ import annotations

@@ -308,36 +308,57 @@ INTRA_SOURCE = _PROLOGUE + """
     }
 """
 
-# Staging of one key block (channels kb .. kb + BK - 1) of chunk n for the sequential kernels,
-# one channel per thread: prefix sums G_i (x = q e^G, y = b k e^G, gamma = e^{G_last}) or suffix
-# sums (x = k e^{G_last - G}, gamma = e^{G_last}).
-_STAGE_PREFIX = """
-        for (uint c = tid; c < BK; c += THREADS) {
-            float G = 0.0f;
-            for (uint i = 0; i < C; ++i) {
+# Staging of one key block (channels kb .. kb + BK - 1) of chunk n for the sequential kernels:
+# every thread loads g (coalesced), one thread per channel sums it along the chunk in place, then
+# every thread forms its elements. Prefix: G_i = g_0 + ... + g_i, x = q e^G, y = b k e^G,
+# gamma = e^{G_last}. Suffix: x = k e^{g_{i+1} + ... + g_last}, gamma = e^{G_last}. Each runs
+# between the caller's barrier before it and after it.
+_STAGE_LOAD_G = """
+            for (uint e = tid; e < C * BK; e += THREADS) {
+                const uint i = e / BK, c = e % BK;
                 const bool valid = t0 + i < steps && kb + c < K;
-                const ulong off = key_base + ulong(t0 + i) * key_stride + kb + c;
-                G += valid ? float(g[off]) : 0.0f;
-                const float decay = metal::exp(G);
-                const float kv = valid ? float(k[off]) : 0.0f;
-                s_x[i * BK + c] = (valid ? float(q[off]) : 0.0f) * decay;
-                s_y[i * BK + c] = (valid ? float(b[off]) : 0.0f) * kv * decay;
+                s_x[e] = valid ? float(g[key_base + ulong(t0 + i) * key_stride + kb + c]) : 0.0f;
             }
-            s_gamma[c] = metal::exp(G);
-        }
+            threadgroup_barrier(mem_flags::mem_threadgroup);
 """
 
-_STAGE_SUFFIX = """
-        for (uint c = tid; c < BK; c += THREADS) {
-            float span = 0.0f;
-            for (uint i = C; i-- > 0;) {
+_STAGE_PREFIX = _STAGE_LOAD_G + """
+            for (uint c = tid; c < BK; c += THREADS) {
+                float G = 0.0f;
+                for (uint i = 0; i < C; ++i) {
+                    G += s_x[i * BK + c];
+                    s_x[i * BK + c] = G;
+                }
+                s_gamma[c] = metal::exp(G);
+            }
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            for (uint e = tid; e < C * BK; e += THREADS) {
+                const uint i = e / BK, c = e % BK;
                 const bool valid = t0 + i < steps && kb + c < K;
                 const ulong off = key_base + ulong(t0 + i) * key_stride + kb + c;
-                s_x[i * BK + c] = (valid ? float(k[off]) : 0.0f) * metal::exp(span);
-                span += valid ? float(g[off]) : 0.0f;
+                const float decay = metal::exp(s_x[e]);
+                s_x[e] = (valid ? float(q[off]) : 0.0f) * decay;
+                s_y[e] = valid ? float(b[off]) * float(k[off]) * decay : 0.0f;
             }
-            s_gamma[c] = metal::exp(span);
-        }
+"""
+
+_STAGE_SUFFIX = _STAGE_LOAD_G + """
+            for (uint c = tid; c < BK; c += THREADS) {
+                float span = 0.0f;
+                for (uint i = C; i-- > 0;) {
+                    const float gi = s_x[i * BK + c];
+                    s_x[i * BK + c] = span;
+                    span += gi;
+                }
+                s_gamma[c] = metal::exp(span);
+            }
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            for (uint e = tid; e < C * BK; e += THREADS) {
+                const uint i = e / BK, c = e % BK;
+                const bool valid = t0 + i < steps && kb + c < K;
+                const float decay = metal::exp(s_x[e]);
+                s_x[e] = valid ? float(k[key_base + ulong(t0 + i) * key_stride + kb + c]) * decay : 0.0f;
+            }
 """
 
 _SEQUENTIAL_PROLOGUE = _PROLOGUE + _VALUE_PROLOGUE + """

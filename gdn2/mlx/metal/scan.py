@@ -7,17 +7,28 @@ and the path for short inputs where the chunked kernels' fixed cost per chunk do
 Backward (``SCAN_BACKWARD_SOURCE``): one threadgroup per batch * head covering every value column,
 so the key-side gradients are summed over columns inside the kernel (no per-tile partial sums in
 device memory). Per chunk of C steps, last first, and per value tile: replay from the checkpoint
-into a per-group scratch, walk back. Transient memory (``backward_bytes``) at B=8 T=4096 H=16
-K=V=256, C=64: checkpoints 2.15 GB, scratch 0.40 GB, saved dS and the per-chunk key sums 0.07 GB,
-the forward's discarded output 0.27 GB (bf16): 2.9 GB, under 4 GiB.
+into a per-group scratch, walk back.
 
-Counted cost (ESTIMATES; per token and head, K = V = 128, "M3 Max" 40 cores ~14 TFLOP/s fp32,
-~400 GB/s): forward 6 K V = 98 kFLOP with two ``simd_sum`` (~14 cycles each against 1 per FMA)
-per column and step, ~22% ALU efficiency: ~20-35 ms at B=8 T=4096 H=16; backward ~30 K V FLOP with
-the replay scratch written and read once per step (8 K V bytes, ~128 kB per token-head, mostly
-DRAM traffic): ~0.2-0.3 s for forward+backward, and only B * H threadgroups in the backward.
-Threadgroup memory: forward 4 * 16 * K floats (16 kB at K = 64, steps staged per block),
-backward 4 K (1 + NS) floats (<= 28 kB); 32 * NS threads (<= 256).
+Counted cost (``cost.scan_cost``; ESTIMATES, nothing here was measured: no Mac was available), per
+token and head at K = V = 128, bf16 inputs, and the estimated time at B=8 T=4096 H=16 on an M3 Max
+(40-core GPU, 14.2 TFLOP/s fp32, 400 GB/s; the scan assumed at 22% of the fp32 peak: two simd_sum
+of ~14 cycles per column and step against one cycle per FMA):
+
+    kernel                  kFLOP   bytes     est. ms   threadgroup memory        registers/thread (est.)
+    forward                  98.3    1792      16.5     16 L K bytes (16 kB)      ~30
+    forward (checkpoints)    98.3    2816      16.5     as forward                as forward
+    backward                393.2    135424   177.5     16 K (1 + NS) (18-28 kB)  ~70 (K=128), ~90 (K=256)
+
+    ESTIMATED: forward 16.5 ms, forward+backward 211 ms at B=8 T=4096 H=16 K=V=128 bf16; the
+    backward's bytes are the replay scratch (8 K V per step), and it runs only B * H threadgroups.
+
+Threads: 32 * NS (forward 128; backward up to 256). Registers: the forward holds its columns'
+state (ceil(K / 32) * 2 floats per lane), the backward the state and its gradient
+(2 * ceil(K / 32) * CPS, CPS <= 32 / ceil(K / 32)) and a few per-key accumulators.
+
+Transient memory of the backward (``backward_bytes``): checkpoints B H ceil(T / C) V Kp floats,
+scratch B H C NS CPS Kp, saved dS B H V Kp, per-chunk key sums B H C 4 K, the rerun forward's
+outputs: 2.5 GiB at B=8 T=4096 H=16 K=V=256 with C = 64 (0.9 GiB at K=V=128).
 """
 
 from __future__ import annotations
@@ -61,9 +72,10 @@ def forward_geometry(K: int, V: int) -> ScanGeometry:
 
 
 def backward_geometry(K: int, V: int) -> ScanGeometry:
-    """As many simdgroups as the reduction buffer allows (one group per head does every column)."""
+    """As many simdgroups as the reduction buffer allows (one group per head does every column);
+    at most 32 state and 32 gradient floats per lane (S and dS are [ceil(K / 32), columns])."""
     simdgroups = max(1, min(8, (_THREADGROUP_FLOATS - 4 * K) // (4 * K)))
-    return ScanGeometry(simdgroups, min(8, -(-V // simdgroups)))
+    return ScanGeometry(simdgroups, max(1, min(8, -(-V // simdgroups), 32 // _lanes(K))))
 
 
 def forward_block(K: int) -> int:
@@ -176,6 +188,16 @@ def run(launch) -> list:
     return _package().launcher(launch)
 
 
+def backward(q, k, v, g, b, w, state0, d_o, d_final, scale: float, interval: int):
+    """Every gradient: (dq, dk, dv, dg, db, dw, d_state0): the forward rerun with checkpoints,
+    then the backward scan."""
+    _, _, checkpoints = run(forward_launch(q, k, v, g, b, w, state0, scale, interval, save=True,
+                                           geometry=_geometry_override.get("forward")))
+    *grads, _, _, _ = run(backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale, interval,
+                                          geometry=_geometry_override.get("backward")))
+    return tuple(grads)
+
+
 @lru_cache(maxsize=None)
 def _scan_function(scale: float, interval: int):
     """One ``mx.custom_function`` per (scale, checkpoint interval): (o, final_state) of 7 arrays."""
@@ -192,10 +214,7 @@ def _scan_function(scale: float, interval: int):
         d_o, d_final = cotangents
         d_o = mx.zeros(v.shape, dtype=q.dtype) if d_o is None else d_o
         d_final = mx.zeros(state0.shape, dtype=mx.float32) if d_final is None else d_final.astype(mx.float32)
-        _, _, checkpoints = run(forward_launch(q, k, v, g, b, w, state0, scale, interval, save=True,
-                                               geometry=_geometry_override.get("forward")))
-        *grads, d_state0, _, _, _ = run(backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale, interval,
-                                                        geometry=_geometry_override.get("backward")))
+        *grads, d_state0 = backward(q, k, v, g, b, w, state0, d_o, d_final, scale, interval)
         grads = [grad.astype(x.dtype) for grad, x in zip(grads, primals)]
         return (*grads, d_state0.astype(state0.dtype))
 
