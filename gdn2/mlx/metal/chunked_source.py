@@ -41,6 +41,9 @@ V, and (forward) whether to save states and U. The kernels use only the Metal su
 from __future__ import annotations
 
 HEADER = """
+// Loops over register arrays of tiles are unrolled, so that every index is a constant.
+#define GDN2_UNROLL _Pragma("clang loop unroll(full)")
+
 // m[r][c] = scale * x[(r0 + r) * stride + c0 + c] where r0 + r < rows and c0 + c < cols, else 0.
 // Lane `lane` of the simdgroup holds row fm, columns fn and fn + 1 of the 8x8 tile (the layout of
 // Apple GPUs; MLX's steel GEMM reads fragments the same way).
@@ -76,11 +79,11 @@ inline void store_masked(thread simdgroup_float8x8& m, P x, uint r0, uint rows, 
   }
 }
 
-inline void fill(thread simdgroup_float8x8& m, float value) {
+inline void tile_fill(thread simdgroup_float8x8& m, float value) {
   m = make_filled_simdgroup_matrix<float, 8>(value);
 }
 
-inline void negate(thread simdgroup_float8x8& m) {
+inline void tile_negate(thread simdgroup_float8x8& m) {
   m.thread_elements()[0] = -m.thread_elements()[0];
   m.thread_elements()[1] = -m.thread_elements()[1];
 }
@@ -134,17 +137,19 @@ INTRA_SOURCE = _PROLOGUE + """
     threadgroup float s_g[C * BK];
     threadgroup float s_qL[C * BK];             // q * left
     threadgroup float s_bkL[C * BK];            // b * k * left
-    threadgroup float s_kR[RIGHT_ROWS * BK];    // k * right^(I)
+    threadgroup float s_kR[4 * (C / 8) * (C / 8 - 1) * BK];    // k * right^(I)
     threadgroup float s_A[C * C];
     threadgroup float s_P[C * C];
     threadgroup float s_inv[C * C];
 
     simdgroup_float8x8 acc[SLOTS];
+    GDN2_UNROLL
     for (uint s = 0; s < SLOTS; ++s) {
-        fill(acc[s], 0.0f);
+        tile_fill(acc[s], 0.0f);
     }
     float diag_A[DIAG_SLOTS];
     float diag_P[DIAG_SLOTS];
+    GDN2_UNROLL
     for (uint s = 0; s < DIAG_SLOTS; ++s) {
         diag_A[s] = 0.0f;
         diag_P[s] = 0.0f;
@@ -186,6 +191,7 @@ INTRA_SOURCE = _PROLOGUE + """
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         // Off-diagonal tiles: (X * left)_I @ (k * right^(I))_J^T, X = b k (A) or q (P).
+        GDN2_UNROLL
         for (uint s = 0; s < SLOTS; ++s) {
             const uint job = sg + NS * s;
             if (job < 2 * PAIRS) {
@@ -204,6 +210,7 @@ INTRA_SOURCE = _PROLOGUE + """
             }
         }
         // Diagonal tiles, one (i, j) pair per thread: the span sum g_{j+1} + ... + g_i per channel.
+        GDN2_UNROLL
         for (uint s = 0; s < DIAG_SLOTS; ++s) {
             const uint p = tid + THREADS * s;
             if (p < DIAG) {
@@ -231,6 +238,7 @@ INTRA_SOURCE = _PROLOGUE + """
 
     // A and P into threadgroup memory (zero above the diagonal, and on A's diagonal); the
     // inverse is zero above its diagonal blocks.
+    GDN2_UNROLL
     for (uint s = 0; s < SLOTS; ++s) {
         const uint job = sg + NS * s;
         if (job < 2 * PAIRS) {
@@ -242,6 +250,7 @@ INTRA_SOURCE = _PROLOGUE + """
             simdgroup_store(acc[s], ((job % 2 == 0) ? s_A : s_P) + 8 * I * C + 8 * J, C);
         }
     }
+    GDN2_UNROLL
     for (uint s = 0; s < DIAG_SLOTS; ++s) {
         const uint p = tid + THREADS * s;
         if (p < DIAG) {
@@ -290,7 +299,7 @@ INTRA_SOURCE = _PROLOGUE + """
     for (uint I = 1; I < NT; ++I) {
         for (uint J = sg; J < I; J += NS) {
             simdgroup_float8x8 sum, a, x;
-            fill(sum, 0.0f);
+            tile_fill(sum, 0.0f);
             for (uint M = J; M < I; ++M) {
                 simdgroup_load(a, s_A + 8 * I * C + 8 * M, C);
                 simdgroup_load(x, s_inv + 8 * M * C + 8 * J, C);
@@ -298,7 +307,7 @@ INTRA_SOURCE = _PROLOGUE + """
             }
             simdgroup_load(x, s_inv + 8 * I * C + 8 * I, C);
             simdgroup_multiply(a, x, sum);
-            negate(a);
+            tile_negate(a);
             simdgroup_store(a, s_inv + 8 * I * C + 8 * J, C);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -391,6 +400,7 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
     // entering each chunk and U.
     const bool save = meta[4] != 0;
     simdgroup_float8x8 S[KT];
+    GDN2_UNROLL
     for (uint kt = 0; kt < KT; ++kt) {
         load_masked(S[kt], state0 + ulong(bh) * K * V, 8 * kt, K, V, col0, V, fm, fn, 1.0f);
     }
@@ -399,22 +409,27 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
         const uint t0 = n * C;
 """ + _LOAD_CHUNK_MATRICES + """
         if (save && active) {
+            GDN2_UNROLL
             for (uint kt = 0; kt < KT; ++kt) {
                 simdgroup_store(S[kt], checkpoints + ((ulong(bh) * chunks + n) * Kp + 8 * kt) * Vp + col0, Vp);
             }
         }
         // (q e^G) S and (b k e^G) S, key block by key block
         simdgroup_float8x8 acc_q[NT], acc_u[NT], tile;
+        GDN2_UNROLL
         for (uint I = 0; I < NT; ++I) {
-            fill(acc_q[I], 0.0f);
-            fill(acc_u[I], 0.0f);
+            tile_fill(acc_q[I], 0.0f);
+            tile_fill(acc_u[I], 0.0f);
         }
+        GDN2_UNROLL
         for (uint kb = 0; kb < K; kb += BK) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
 """ + _STAGE_PREFIX + """
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (active) {
+                GDN2_UNROLL
                 for (uint kk = 0; kk < BK / 8 && kb / 8 + kk < KT; ++kk) {
+                    GDN2_UNROLL
                     for (uint I = 0; I < NT; ++I) {
                         simdgroup_load(tile, s_x + 8 * I * BK + 8 * kk, BK);
                         simdgroup_multiply_accumulate(acc_q[I], tile, S[kb / 8 + kk], acc_q[I]);
@@ -426,15 +441,19 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
         }
         if (active) {
             // U = (I + A)^-1 (w v - (b k e^G) S), in place from the last block row up
+            GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
                 load_product_masked(tile, v + value_base, w + value_base, t0 + 8 * I, steps, value_stride, col0, V,
                                     fm, fn);
                 acc_u[I].thread_elements()[0] = tile.thread_elements()[0] - acc_u[I].thread_elements()[0];
                 acc_u[I].thread_elements()[1] = tile.thread_elements()[1] - acc_u[I].thread_elements()[1];
             }
-            for (uint I = NT; I-- > 0;) {
+            GDN2_UNROLL
+            for (uint r = 0; r < NT; ++r) {
+                const uint I = NT - 1 - r;
                 simdgroup_float8x8 sum, x;
-                fill(sum, 0.0f);
+                tile_fill(sum, 0.0f);
+                GDN2_UNROLL
                 for (uint J = 0; J <= I; ++J) {
                     simdgroup_load(x, s_inv + 8 * I * C + 8 * J, C);
                     simdgroup_multiply_accumulate(sum, x, acc_u[J], sum);
@@ -442,7 +461,9 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
                 acc_u[I] = sum;
             }
             // o = scale ((q e^G) S + P U)
+            GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
+                GDN2_UNROLL
                 for (uint J = 0; J <= I; ++J) {
                     simdgroup_load(tile, s_P + 8 * I * C + 8 * J, C);
                     simdgroup_multiply_accumulate(acc_q[I], tile, acc_u[J], acc_q[I]);
@@ -455,15 +476,18 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
             }
         }
         // S <- e^{G_last} S + (k e^{G_last - G})^T U
+        GDN2_UNROLL
         for (uint kb = 0; kb < K; kb += BK) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
 """ + _STAGE_SUFFIX + """
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (active) {
+                GDN2_UNROLL
                 for (uint kk = 0; kk < BK / 8 && kb / 8 + kk < KT; ++kk) {
                     const uint kt = kb / 8 + kk;
                     S[kt].thread_elements()[0] *= s_gamma[8 * kk + fm];
                     S[kt].thread_elements()[1] *= s_gamma[8 * kk + fm];
+                    GDN2_UNROLL
                     for (uint I = 0; I < NT; ++I) {
                         simdgroup_load(tile, s_x + 8 * I * BK + 8 * kk, BK, ulong2(0, 0), true);
                         simdgroup_multiply_accumulate(S[kt], tile, acc_u[I], S[kt]);
@@ -472,6 +496,7 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
             }
         }
     }
+    GDN2_UNROLL
     for (uint kt = 0; kt < KT; ++kt) {
         store_masked<float>(S[kt], final_state + ulong(bh) * K * V, 8 * kt, K, V, col0, V, fm, fn, 1.0f);
     }
@@ -485,6 +510,7 @@ STATE_BACKWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
     // leaving chunk n; dU = scale P^T d_o + (k e^{G_last - G}) dS, Z = (I + A)^-T dU, and the state
     // entering the chunk gets e^{G_last} dS + (q e^G)^T scale d_o - (b k e^G)^T Z.
     simdgroup_float8x8 dS[KT];
+    GDN2_UNROLL
     for (uint kt = 0; kt < KT; ++kt) {
         load_masked(dS[kt], d_final + ulong(bh) * K * V, 8 * kt, K, V, col0, V, fm, fn, 1.0f);
     }
@@ -493,20 +519,25 @@ STATE_BACKWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
         const uint t0 = n * C;
 """ + _LOAD_CHUNK_MATRICES + """
         if (active) {
+            GDN2_UNROLL
             for (uint kt = 0; kt < KT; ++kt) {
                 simdgroup_store(dS[kt], d_states + ((ulong(bh) * chunks + n) * Kp + 8 * kt) * Vp + col0, Vp);
             }
         }
         simdgroup_float8x8 acc[NT], d_out[NT], tile;
+        GDN2_UNROLL
         for (uint I = 0; I < NT; ++I) {
-            fill(acc[I], 0.0f);
+            tile_fill(acc[I], 0.0f);
         }
+        GDN2_UNROLL
         for (uint kb = 0; kb < K; kb += BK) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
 """ + _STAGE_SUFFIX + """
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (active) {
+                GDN2_UNROLL
                 for (uint kk = 0; kk < BK / 8 && kb / 8 + kk < KT; ++kk) {
+                    GDN2_UNROLL
                     for (uint I = 0; I < NT; ++I) {
                         simdgroup_load(tile, s_x + 8 * I * BK + 8 * kk, BK);
                         simdgroup_multiply_accumulate(acc[I], tile, dS[kb / 8 + kk], acc[I]);
@@ -515,25 +546,31 @@ STATE_BACKWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
             }
         }
         if (active) {
+            GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
                 load_masked(d_out[I], d_o + value_base, t0 + 8 * I, steps, value_stride, col0, V, fm, fn, scale_value);
             }
             // dU = P^T (scale d_o) + acc, then Z = (I + A)^-T dU, both in place from the first block row
+            GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
+                GDN2_UNROLL
                 for (uint J = I; J < NT; ++J) {
                     simdgroup_load(tile, s_P + 8 * J * C + 8 * I, C, ulong2(0, 0), true);
                     simdgroup_multiply_accumulate(acc[I], tile, d_out[J], acc[I]);
                 }
             }
+            GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
                 simdgroup_float8x8 sum;
-                fill(sum, 0.0f);
+                tile_fill(sum, 0.0f);
+                GDN2_UNROLL
                 for (uint J = I; J < NT; ++J) {
                     simdgroup_load(tile, s_inv + 8 * J * C + 8 * I, C, ulong2(0, 0), true);
                     simdgroup_multiply_accumulate(sum, tile, acc[J], sum);
                 }
                 acc[I] = sum;
             }
+            GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
                 simdgroup_store(acc[I], z + ((ulong(bh) * chunks + n) * C + 8 * I) * Vp + col0, Vp);
                 for (uint e = 0; e < 2; ++e) {
@@ -545,18 +582,21 @@ STATE_BACKWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
                         d_w[off] = static_cast<InT>(zv * float(v[off]));
                     }
                 }
-                negate(acc[I]);
+                tile_negate(acc[I]);
             }
         }
+        GDN2_UNROLL
         for (uint kb = 0; kb < K; kb += BK) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
 """ + _STAGE_PREFIX + """
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (active) {
+                GDN2_UNROLL
                 for (uint kk = 0; kk < BK / 8 && kb / 8 + kk < KT; ++kk) {
                     const uint kt = kb / 8 + kk;
                     dS[kt].thread_elements()[0] *= s_gamma[8 * kk + fm];
                     dS[kt].thread_elements()[1] *= s_gamma[8 * kk + fm];
+                    GDN2_UNROLL
                     for (uint I = 0; I < NT; ++I) {
                         simdgroup_load(tile, s_x + 8 * I * BK + 8 * kk, BK, ulong2(0, 0), true);
                         simdgroup_multiply_accumulate(dS[kt], tile, d_out[I], dS[kt]);
@@ -567,6 +607,7 @@ STATE_BACKWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
             }
         }
     }
+    GDN2_UNROLL
     for (uint kt = 0; kt < KT; ++kt) {
         store_masked<float>(dS[kt], d_state0 + ulong(bh) * K * V, 8 * kt, K, V, col0, V, fm, fn, 1.0f);
     }
@@ -598,8 +639,8 @@ BACKWARD_SOURCE = _PROLOGUE + _VALUE_PROLOGUE + """
     threadgroup float s_left[C * 8];
     threadgroup float s_qL[C * 8];      // q * left
     threadgroup float s_bkL[C * 8];     // b * k * left
-    threadgroup float s_right[RIGHT_ROWS * 8];
-    threadgroup float s_kR[RIGHT_ROWS * 8];  // k * right
+    threadgroup float s_right[4 * (C / 8) * (C / 8 - 1) * 8];
+    threadgroup float s_kR[4 * (C / 8) * (C / 8 - 1) * 8];  // k * right
     threadgroup float s_dQg[C * 8];     // d(q e^G) = scale d_o S^T
     threadgroup float s_dbkG[C * 8];    // d(b k e^G) = -Z S^T
     threadgroup float s_dKd[C * 8];     // d(k e^{G_last - G}) = U dS^T
@@ -619,7 +660,7 @@ BACKWARD_SOURCE = _PROLOGUE + _VALUE_PROLOGUE + """
         }
         const bool is_P = job % 2 == 0;
         simdgroup_float8x8 sum, x, u;
-        fill(sum, 0.0f);
+        tile_fill(sum, 0.0f);
         for (uint vt = 0; vt < VT; ++vt) {
             if (is_P) {
                 load_masked(x, d_o + value_base, t0 + 8 * I, steps, value_stride, 8 * vt, V, fm, fn, scale_value);
@@ -695,9 +736,9 @@ BACKWARD_SOURCE = _PROLOGUE + _VALUE_PROLOGUE + """
         // scale d_o S^T, -Z S^T and U dS^T for block row I of this key tile.
         for (uint I = sg; I < NT; I += NS) {
             simdgroup_float8x8 dq, dbk, dkd, x, s;
-            fill(dq, 0.0f);
-            fill(dbk, 0.0f);
-            fill(dkd, 0.0f);
+            tile_fill(dq, 0.0f);
+            tile_fill(dbk, 0.0f);
+            tile_fill(dkd, 0.0f);
             for (uint vt = 0; vt < VT; ++vt) {
                 simdgroup_load(s, checkpoints + state + ulong(kb) * Vp + 8 * vt, Vp, ulong2(0, 0), true);
                 load_masked(x, d_o + value_base, t0 + 8 * I, steps, value_stride, 8 * vt, V, fm, fn, scale_value);
@@ -708,7 +749,7 @@ BACKWARD_SOURCE = _PROLOGUE + _VALUE_PROLOGUE + """
                 simdgroup_load(x, new_values + (rows + 8 * I) * Vp + 8 * vt, Vp);
                 simdgroup_multiply_accumulate(dkd, x, s, dkd);
             }
-            negate(dbk);
+            tile_negate(dbk);
             simdgroup_store(dq, s_dQg + 8 * I * 8, 8);
             simdgroup_store(dbk, s_dbkG + 8 * I * 8, 8);
             simdgroup_store(dkd, s_dKd + 8 * I * 8, 8);
@@ -720,7 +761,7 @@ BACKWARD_SOURCE = _PROLOGUE + _VALUE_PROLOGUE + """
             const uint which = job / NT, blk = job % NT;
             const threadgroup float* dM = (which % 2 == 0) ? s_dA : s_dP;
             simdgroup_float8x8 sum, a, y;
-            fill(sum, 0.0f);
+            tile_fill(sum, 0.0f);
             if (which < 2) {
                 for (uint J = 0; J < blk; ++J) {
                     simdgroup_load(a, dM + 8 * blk * C + 8 * J, C);
