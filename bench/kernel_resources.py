@@ -112,9 +112,9 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
     bw = backward
     out["state_backward"] = (
         bw._state_backward_kernel,
-        dict(q=inp, k=inp, G=f32, Wk=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32),
+        dict(qd=f32, kd=f32, Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), C=64, HAS_FINAL=True, STORE_INITIAL=True, DOT=dot),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot),
         fk.STATE_WARPS,
     )
     out["intra_backward"] = (

@@ -98,7 +98,7 @@ class TritonGDN2(torch.autograd.Function):
         o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
         output(qd, P, states, U, o, scale, precision)
 
-        ctx.save_for_backward(q, k, v, g, b, w, G, Wk, Uw, P, inverse, states, U)
+        ctx.save_for_backward(q, k, v, g, b, w, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U)
         ctx.scale = scale
         ctx.has_initial = initial_state is not None
         ctx.precision = precision
@@ -108,7 +108,7 @@ class TritonGDN2(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_final_state):
-        q, k, v, g, b, w, G, Wk, Uw, P, inverse, states, U = ctx.saved_tensors
+        q, k, v, g, b, w, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
         device = q.device
@@ -120,7 +120,7 @@ class TritonGDN2(torch.autograd.Function):
         d_leaving = torch.empty_like(states)
         d_U = torch.empty_like(U)
         d_initial = torch.empty(B, H, K, V, **f32) if ctx.has_initial else None
-        state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
+        state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
 
         dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
         dv, dw = torch.empty_like(v), torch.empty_like(w)

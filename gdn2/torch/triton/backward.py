@@ -4,7 +4,8 @@ Two launches (the equations are those of ``gdn2.chunk.backward``):
 
 * ``state_backward`` (one program per head and block of value columns, reverse over chunks):
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
-  values ``d_U = scale P^T dO + Kd d_leaving``; finally the gradient of the initial state.
+  values ``d_U = scale P^T dO + kd d_leaving``; finally the gradient of the initial state. It
+  reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here).
 * ``intra_backward`` (one program per chunk and head, parallel): everything else, arranged so
   that few registers are live (no full [64, K] float32 tiles):
 
@@ -31,18 +32,17 @@ from .forward import CHUNK, STATE_WARPS, value_block
 
 @triton.jit
 def _state_backward_kernel(
-    q, k, G, Wk, P, d_o,  # q, k [B,T,H,K]; G, Wk [B,H,N*C,K]; P [B,H,N,C,C]; d_o [B,T,H,V]
-    d_final, d_leaving, d_U, d_initial,  # [B,H,K,V], [B,H,N,K,V], [B,H,N*C,V], [B,H,K,V]
+    qd, kd, Wk, gamma, P, d_o,  # [B, H, N * 64, K] x3, [B, H, N, K], [B, H, N, 64, 64], [B, T, H, V]
+    d_final, d_leaving, d_U, d_initial,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
     scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    rows = tl.arange(0, C)
-    cols_c = tl.arange(0, C)
+    rows = tl.arange(0, 64)
     cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     k_ok = cols_k < K
@@ -56,47 +56,42 @@ def _state_backward_kernel(
     for step in range(N):
         i_n = N - 1 - step
         tl.store(d_leaving + (i_bh * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
-        t = i_n * C + rows
-        row_ok = t < T
-        padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
-        key_offsets = i_b * T * H * K + t[:, None] * (H * K) + i_h * K + cols_k[None, :]
-        key_mask = row_ok[:, None] & k_ok[None, :]
+        t = i_n * 64 + rows
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
-
-        G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
-        G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
-        k_to_end = tl.load(k + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_last[None, :] - G_tile)
-        P_tile = tl.load(P + (i_bh * N + i_n) * C * C + rows[:, None] * C + cols_c[None, :])
-        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(k_to_end, d_state, input_precision=DOT)
-        tl.store(d_U + i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-
-        q_decayed = tl.load(q + key_offsets, mask=key_mask, other=0.0).to(tl.float32) * tl.exp(G_tile)
-        Wk_tile = tl.load(Wk + padded_k, mask=k_ok[None, :], other=0.0)
+        d_out = tl.load(d_o + value_offsets, mask=(t < T)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+        row0 = i_bh * N * 64 + i_n * 64
+        keys = (row0 + rows[:, None]) * K + cols_k[None, :]
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
+        P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
+        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
+        decay = tl.load(gamma + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         d_state = (
-            d_state * tl.exp(G_last)[:, None]
-            + tl.dot(tl.trans(q_decayed), d_out, input_precision=DOT)
+            d_state * decay[:, None]
+            + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
             - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
         )
     if STORE_INITIAL:
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
 
-def state_backward(q, k, G, Wk, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str) -> None:
+def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str) -> None:
     """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``)."""
-    B, T, H, K = q.shape
-    V = d_o.shape[-1]
-    N = d_leaving.shape[2]
+    B, T, H, V = d_o.shape
+    N, K = d_leaving.shape[2], d_leaving.shape[3]
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, B * H)
     _state_backward_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, G, Wk, P, d_o,
+        qd, kd, Wk, gamma, P, d_o,
         d_final if d_final is not None else d_leaving, d_leaving, d_U,
         d_initial if d_initial is not None else d_leaving,
-        scale, T, H, K, V, N, BK=BK, BV=BV, C=CHUNK,
+        scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         num_warps=STATE_WARPS, num_stages=1,
     )
+
 
 # Launch settings measured on an H200 (bench/RESULTS.md): 32 key columns per block (16 was
 # slower); 8 warps (16 faulted with Triton 3.6).
