@@ -67,7 +67,7 @@ def test_initial_state_and_offsets_of_another_type(framework, seed):
         module(framework).chunk_gdn2(*args, initial_state=x["initial_state"].astype(np.float32))
     with pytest.raises(ValueError, match=rf"cu_seqlens: expected {TYPE[framework]} \(the type of q\), received list"):
         module(framework).chunk_gdn2(*args, cu_seqlens=[0, 4, 10])
-    with pytest.raises(ValueError, match=r"cu_seqlens: expected an integer array of shape \[N \+ 1\], received list"):
+    with pytest.raises(ValueError, match=rf"^cu_seqlens: expected {TYPE[framework]}, received list$"):
         module(framework).layer.GatedDeltaNet2(hidden_size=8, head_dim=4, num_heads=2)(
             (torch.zeros if framework == "torch" else mx.zeros)((1, 10, 8)), cu_seqlens=[0, 4, 10]
         )
@@ -115,3 +115,145 @@ def test_offsets_must_be_int32_or_int64(framework, dtype, seed):
     cu = torch.tensor(offsets).to(getattr(torch, dtype)) if framework == "torch" else mx.array(offsets).astype(getattr(mx, dtype))
     with pytest.raises(ValueError, match=rf"cu_seqlens: expected an integer dtype \(int32 or int64\), received {dtype}"):
         module(framework).chunk_gdn2(*args, cu_seqlens=cu)
+
+
+# ---- the language model: token ids ----
+
+SMALL = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, head_dim=4, chunk_size=4)
+
+
+def language_model(framework):
+    model = module(framework).GDN2LanguageModel(SMALL)
+    return model if framework == "mlx" else model.eval()
+
+
+def ids(framework, values, dtype="int64"):
+    values = np.asarray(values)
+    return torch.tensor(values, dtype=getattr(torch, dtype)) if framework == "torch" else mx.array(values).astype(getattr(mx, dtype))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("bad, low, high", [(16, 0, 16), (-1, -1, 15), (10**6, 0, 10**6)])
+def test_token_ids_out_of_range(framework, bad, low, high):
+    tokens = np.arange(16).reshape(2, 8) if bad != -1 else np.arange(16).reshape(2, 8) - (np.arange(16).reshape(2, 8) == 0)
+    tokens = tokens.copy()
+    tokens[1, 3] = bad
+    tokens[0, 0] = low
+    tokens[0, 1] = high
+    with pytest.raises(ValueError) as error:
+        language_model(framework)(ids(framework, tokens))
+    assert str(error.value) == f"input_ids: expected token ids in [0, 15] (vocab_size 16), received min {low}, max {high}"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_token_ids_type_shape_and_dtype(framework):
+    model = language_model(framework)
+    with pytest.raises(ValueError, match=rf"^input_ids: expected {TYPE[framework]}, received numpy.ndarray$"):
+        model(np.zeros((1, 4), dtype=np.int64))
+    with pytest.raises(ValueError, match=rf"^input_ids: expected {TYPE[framework]}, received list$"):
+        model([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"^input_ids: expected at least one token \(B >= 1 and T >= 1\), received shape \[2, 0\]$"):
+        model(ids(framework, np.zeros((2, 0), dtype=np.int64)))
+    with pytest.raises(ValueError, match=r"^input_ids: expected shape \[B, T\], received \[4\]$"):
+        model(ids(framework, np.arange(4)))
+    with pytest.raises(ValueError, match=r"^input_ids: expected an integer dtype \(.*\), received float32$"):
+        model(ids(framework, np.ones((1, 4)), "float32"))
+    # in range: same logits on two calls (an id == vocab_size used to read past the table)
+    good = ids(framework, np.array([[0, 15, 3, 7]]))
+    first, second = (np.array(model(good).tolist()) for _ in range(2))
+    np.testing.assert_array_equal(first, second)
+
+
+def test_token_check_under_torch_compile():
+    """The check reads no values inside a compiled graph (fullgraph: a graph break would fail)."""
+    from gdn2.inputs import check_token_ids
+
+    def embed(tokens):
+        check_token_ids(tokens, 16, "torch", torch_layer._token_range)
+        return tokens * 2
+
+    tokens = ids("torch", np.array([[1, 2, 3, 15]]))
+    compiled = torch.compile(embed, backend="eager", fullgraph=True)
+    assert compiled(tokens).tolist() == [[2, 4, 6, 30]]
+    with pytest.raises(ValueError, match="received min 2, max 16"):  # outside the graph, still checked
+        embed(tokens + 1)
+
+
+def test_token_check_under_mx_compile():
+    model = language_model("mlx")
+    tokens = ids("mlx", np.array([[1, 2, 3, 15]]))
+    compiled = mx.compile(lambda t: model(t))
+    np.testing.assert_allclose(np.array(compiled(tokens)), np.array(model(tokens)), rtol=1e-6, atol=1e-6)
+
+
+# ---- the layer: T = 0, types, devices, a cache of another batch ----
+
+
+def mixer(framework):
+    layer = module(framework).GatedDeltaNet2(hidden_size=8, head_dim=4, num_heads=2, chunk_size=4)
+    return layer if framework == "mlx" else layer.eval()
+
+
+def hidden(framework, shape, seed=0):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return torch.tensor(x) if framework == "torch" else mx.array(x)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_layer_input_with_no_tokens(framework):
+    layer = mixer(framework)
+    for shape in ([2, 0, 8], [0, 3, 8]):
+        with pytest.raises(ValueError) as error:
+            layer(hidden(framework, shape))
+        assert str(error.value) == f"hidden_states: expected at least one token (B >= 1 and T >= 1), received shape {shape}"
+        with pytest.raises(ValueError, match=r"hidden_states: expected at least one token"):
+            layer(hidden(framework, shape), cache=module(framework).GDN2Cache())
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_layer_inputs_of_another_type(framework):
+    layer = mixer(framework)
+    x = hidden(framework, [2, 5, 8])
+    with pytest.raises(ValueError, match=rf"^hidden_states: expected {TYPE[framework]}, received numpy.ndarray$"):
+        layer(np.zeros((2, 5, 8), np.float32))
+    with pytest.raises(ValueError, match=rf"^attention_mask: expected {TYPE[framework]}, received numpy.ndarray$"):
+        layer(x, attention_mask=np.ones((2, 5), np.int64))
+    other = hidden("mlx" if framework == "torch" else "torch", [2, 5, 8])
+    with pytest.raises(ValueError, match=rf"^hidden_states: expected {TYPE[framework]}, received {TYPE['mlx' if framework == 'torch' else 'torch']}$"):
+        layer(other)
+
+
+def test_layer_inputs_on_mixed_devices():
+    layer = mixer("torch")
+    x = hidden("torch", [1, 5, 8])
+    with pytest.raises(ValueError, match=r"^attention_mask: expected a tensor on cpu \(the device of hidden_states\), received one on meta$"):
+        layer(x, attention_mask=torch.ones(1, 5, dtype=torch.int64, device="meta"))
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected a tensor on cpu \(the device of hidden_states\), received one on meta$"):
+        layer(x, cu_seqlens=torch.tensor([0, 2, 5], device="meta"))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_cache_reused_with_another_batch_size(framework):
+    layer = mixer(framework)
+    cache = module(framework).GDN2Cache()
+    with torch.no_grad():
+        layer(hidden(framework, [2, 5, 8]), cache=cache)
+        for B, step in ((3, 1), (1, 4)):
+            with pytest.raises(ValueError) as error:
+                layer(hidden(framework, [B, step, 8]), cache=cache)
+            assert str(error.value) == (
+                f"cache: expected hidden_states of the 2 sequences it holds (B=2), received B={B} (a new batch needs a new cache)"
+            )
+        assert cache.offset == 5  # refused calls leave the cache as it was
+        layer(hidden(framework, [2, 1, 8]), cache=cache)
+    assert cache.offset == 6
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_language_model_cache_with_another_batch_size(framework):
+    model = language_model(framework)
+    cache = model.make_cache()
+    with torch.no_grad():
+        model(ids(framework, np.ones((2, 3), np.int64)), cache)
+        with pytest.raises(ValueError, match=r"^cache: expected hidden_states of the 2 sequences it holds \(B=2\), received B=1"):
+            model(ids(framework, np.ones((1, 1), np.int64)), cache)

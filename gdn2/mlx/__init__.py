@@ -2,6 +2,7 @@
 
 from .ops import chunk_gdn2, recurrent_gdn2, which_path
 from .layer import GatedDeltaNet2, GDN2Cache, GDN2LanguageModel, load_model, load_weights, save_weights
+from ..weights import ModelConfig
 
 __all__ = [
     "chunk_gdn2",
@@ -10,6 +11,7 @@ __all__ = [
     "GatedDeltaNet2",
     "GDN2Cache",
     "GDN2LanguageModel",
+    "ModelConfig",
     "load_model",
     "load_weights",
     "save_weights",

@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..inputs import check_cache_batch, check_hidden_states, check_token_ids
 from ..spec import parse_cu_seqlens
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
 from .ops import chunk_gdn2, recurrent_gdn2
@@ -191,11 +192,9 @@ class GatedDeltaNet2(nn.Module):
         ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding; left or right padding) and
         ``cu_seqlens`` ``[N + 1]`` (B = 1, packed sequences) behave as in ``gdn2.torch``'s layer.
         """
-        if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states: expected shape [B, T, {self.hidden_size}], received {list(hidden_states.shape)}"
-            )
-        B, T, _ = hidden_states.shape
+        B, T = check_hidden_states(hidden_states, self.hidden_size, "mlx", attention_mask=attention_mask, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            check_cache_batch(cache, B)
         mask = padding_mask(attention_mask, B, T, cache)
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
@@ -299,7 +298,7 @@ class GDN2Block(nn.Module):
 class GDN2LanguageModel(nn.Module):
     """Causal language model: embeddings, ``num_layers`` GDN-2 blocks, RMSNorm, linear head.
 
-    ``model(tokens [B, T] integer, cache=None) -> logits [B, T, vocab_size]``. For generation,
+    ``model(input_ids [B, T] integer, cache=None) -> logits [B, T, vocab_size]``. For generation,
     ``cache = model.make_cache()`` and call with successive pieces of the sequence.
     """
 
@@ -315,15 +314,23 @@ class GDN2LanguageModel(nn.Module):
         """A fresh, empty cache: one ``GDN2Cache`` per block."""
         return [GDN2Cache() for _ in self.layers]
 
-    def __call__(self, tokens: mx.array, cache: list[GDN2Cache] | None = None) -> mx.array:
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens: expected shape [B, T], received {list(tokens.shape)}")
+    def __call__(self, input_ids: mx.array, cache: list[GDN2Cache] | None = None) -> mx.array:
+        check_token_ids(input_ids, self.config.vocab_size, "mlx", _token_range)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache: expected {len(self.layers)} entries (one per layer), received {len(cache)}")
-        x = self.embeddings(tokens)
+        x = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, None if cache is None else cache[i])
         return self.lm_head(self.norm(x))
+
+
+def _token_range(input_ids: mx.array) -> tuple[int, int] | None:
+    """``(min, max)`` of the ids (one evaluation). Inside ``mx.compile`` or ``mx.vmap`` values
+    cannot be read: the check is skipped there (MLX raises ValueError on the read)."""
+    try:
+        return mx.min(input_ids).item(), mx.max(input_ids).item()
+    except ValueError:
+        return None
 
 
 # ---- weights: numpy in, numpy out, safetensors on disk (shared format with gdn2.torch.layer) ----

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..inputs import check_cache_batch, check_hidden_states, check_token_ids
 from ..spec import parse_cu_seqlens
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
 from .ops import chunk_gdn2, recurrent_gdn2
@@ -204,11 +205,9 @@ class GatedDeltaNet2(nn.Module):
         ``cu_seqlens`` ``[N + 1]`` (B = 1): sequences packed along T; the short convolutions and the
         recurrence restart at each sequence (no cache).
         """
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states: expected shape [B, T, {self.hidden_size}], received {list(hidden_states.shape)}"
-            )
-        B, T, _ = hidden_states.shape
+        B, T = check_hidden_states(hidden_states, self.hidden_size, "torch", attention_mask=attention_mask, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            check_cache_batch(cache, B)
         mask = padding_mask(attention_mask, B, T, hidden_states, cache)
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
@@ -311,7 +310,7 @@ class GDN2Block(nn.Module):
 class GDN2LanguageModel(nn.Module):
     """Causal language model: embeddings, ``num_layers`` GDN-2 blocks, RMSNorm, linear head.
 
-    ``forward(tokens [B, T] integer, cache=None) -> logits [B, T, vocab_size]``. For generation,
+    ``forward(input_ids [B, T] integer, cache=None) -> logits [B, T, vocab_size]``. For generation,
     ``cache = model.make_cache()`` and call with successive pieces of the sequence.
     """
 
@@ -327,15 +326,24 @@ class GDN2LanguageModel(nn.Module):
         """A fresh, empty cache: one ``GDN2Cache`` per block."""
         return [GDN2Cache() for _ in self.layers]
 
-    def forward(self, tokens: torch.Tensor, cache: list[GDN2Cache] | None = None) -> torch.Tensor:
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens: expected shape [B, T], received {list(tokens.shape)}")
+    def forward(self, input_ids: torch.Tensor, cache: list[GDN2Cache] | None = None) -> torch.Tensor:
+        check_token_ids(input_ids, self.config.vocab_size, "torch", _token_range)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache: expected {len(self.layers)} entries (one per layer), received {len(cache)}")
-        x = self.embeddings(tokens)
+        x = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, None if cache is None else cache[i])
         return self.lm_head(self.norm(x))
+
+
+def _token_range(input_ids: torch.Tensor) -> tuple[int, int] | None:
+    """``(min, max)`` of the ids: one reduction, and on CUDA one device sync per call. Under
+    ``torch.compile`` the check is skipped (reading values would break the graph); an id out of
+    range there is caught by the embedding's own bounds check (a device-side assert on CUDA)."""
+    if torch.compiler.is_compiling():
+        return None
+    low, high = torch.aminmax(input_ids)
+    return int(low), int(high)
 
 
 # ---- weights: numpy in, numpy out, safetensors on disk (shared format with gdn2.mlx.layer) ----
