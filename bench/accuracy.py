@@ -11,16 +11,40 @@ Metal kernels through the g++ harness of ``tests/metal_harness`` (their exact ge
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from gdn2.testing import Shape
 
-# (B, T, H, K, V, log decay range): a mild and a strong-decay case, K != V, T not a chunk multiple.
-CASES = [(2, 150, 2, 32, 48, (-5.0, 0.0)), (1, 130, 2, 48, 80, (-20.0, 0.0))]
+HARNESS = Path(__file__).resolve().parents[1] / "tests" / "metal_harness" / "harness.py"
+
+# A mild and a strong-decay case, K != V, T not a chunk multiple.
+CASES = [Shape(2, 150, 2, 32, 48, log_decay_range=(-5.0, 0.0)), Shape(1, 130, 2, 48, 80, log_decay_range=(-20.0, 0.0))]
+
+
+def load_metal_harness():
+    """``tests/metal_harness/harness.py`` (a test utility, not part of the package), by its path."""
+    spec = importlib.util.spec_from_file_location("metal_harness", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def metal_on_cpu(metal, harness):
+    """Every Metal launch through the CPU harness, with the kernels taken as available."""
+    unsupported_reason = metal.unsupported_reason
+    metal.unsupported_reason = lambda *args, **kwargs: None
+    try:
+        with metal.use_launcher(harness.harness_launcher):
+            yield
+    finally:
+        metal.unsupported_reason = unsupported_reason
 
 
 def main(argv=None) -> None:
@@ -33,35 +57,29 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: run the kernels on the CPU
-    import mlx.core as mx  # noqa: F401
-    from frameworks import make_case, run_mlx, run_torch, worst_error
+    import mlx.core as mx
 
     from gdn2.mlx import metal
+    from gdn2.testing import run_mlx, run_torch, worst_error
 
     harness = None
     if metal.unsupported_reason(*(mx.zeros((1, 1, 1, 8)) for _ in range(6))) is not None:
-        from tests.metal_harness import harness
+        harness = load_metal_harness()
 
     warnings.simplefilter("error", RuntimeWarning)  # a path that gives way to another is an error here
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for index, (B, T, H, K, V, decay) in enumerate(CASES):
-        case = make_case(B, T, H, K, V, args.seed + index, log_decay_range=decay)
-        label = f"B={B} T={T} H={H} K={K} V={V} g in [{decay[0]:g}, {decay[1]:g}]"
+    for index, shape in enumerate(CASES):
+        case = shape.case(args.seed + index)
+        label = "B={} T={} H={} K={} V={} g in [{:g}, {:g}]".format(*shape[:5], *shape.log_decay_range)
         for dtype in ("float32", "bfloat16"):
             for path in ("reference", "chunk", "kernel"):
                 if path == "reference" and dtype != "float32":
                     continue
                 print(f"{label} {dtype} {path} ...", flush=True)
-                torch_result = run_torch(case, dtype, args.chunk_size, path, device="cuda" if torch.cuda.is_available() else "cpu")
-                if path == "kernel" and harness is not None:
-                    with metal.use_launcher(harness.harness_launcher):
-                        original = metal.unsupported_reason
-                        metal.unsupported_reason = lambda *a, **k: None
-                        try:
-                            mlx_result = run_mlx(case, dtype, args.chunk_size, path)
-                        finally:
-                            metal.unsupported_reason = original
-                else:
+                torch_result = run_torch(case, dtype, args.chunk_size, path, device=device)
+                on_cpu = path == "kernel" and harness is not None
+                with metal_on_cpu(metal, harness) if on_cpu else contextlib.nullcontext():
                     mlx_result = run_mlx(case, dtype, args.chunk_size, path)
                 for framework, result in (("torch", torch_result), ("mlx", mlx_result)):
                     error, name, _ = worst_error(result, case["expected"])

@@ -4,7 +4,7 @@
     python bench/ops.py --framework mlx            # every MLX path on this machine (a Mac: Metal)
 
 Prints a table (median ms, tokens/s, peak memory where the framework reports it) and writes the
-rows as JSON (``--json``, default ``bench/ops.json``). Each path is timed on the device the
+rows as JSON (``--json``, default ``bench/out/ops.json``; ``bench/out/`` is not tracked). Each path is timed on the device the
 framework uses by default here (torch: CUDA when available; MLX: its default device). A path that
 cannot run is listed with the reason, not timed.
 """
@@ -13,29 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
-import time
 from pathlib import Path
 
-import numpy as np
+from gdn2.spec import INPUT_NAMES, PATHS, random_inputs
+from gdn2.testing import median_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gdn2.spec import INPUT_NAMES, random_inputs  # noqa: E402
-
-PATHS = ("reference", "chunk", "kernel")
-
-
-def median_ms(run, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+OUT = Path(__file__).with_name("out")
 
 
 def bench_torch(inputs, args, path):
@@ -56,7 +39,6 @@ def bench_torch(inputs, args, path):
     def forward():
         with torch.no_grad():
             chunk_gdn2(*tensors, initial_state=state, output_final_state=True, chunk_size=args.chunk_size, path=path)
-        sync()
 
     leaves = [t.clone().requires_grad_(True) for t in tensors] + [state.clone().requires_grad_(True)]
 
@@ -67,13 +49,12 @@ def bench_torch(inputs, args, path):
         torch.autograd.backward([o, final_state], [d_o, torch.ones_like(final_state)])
         for leaf in leaves:
             leaf.grad = None
-        sync()
 
     row = dict(device=device, reason=choice.reason)
     for name, run in (("forward", forward), ("forward_backward", forward_backward)):
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        row[f"{name}_ms"] = median_ms(run, args.repeats, args.warmup)
+        row[f"{name}_ms"] = median_ms(run, args.repeats, args.warmup, sync)
         if device.startswith("cuda"):
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -128,7 +109,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default=None, help="torch: cpu/cuda; mlx: cpu/gpu (default: the framework's)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--json", default=str(Path(__file__).with_name("ops.json")))
+    parser.add_argument("--json", default=str(OUT / "ops.json"))
     args = parser.parse_args(argv)
 
     inputs = random_inputs(args.B, args.T, args.H, args.K, args.V, seed=0)
@@ -160,6 +141,7 @@ def main(argv=None) -> list[dict]:
             f"{tokens / row['forward_ms'] * 1e3:>11.0f} {row['forward_backward_ms']:>11.2f} "
             f"{tokens / row['forward_backward_ms'] * 1e3:>14.0f} {'' if peak is None else f'{peak:.3f}':>9}"
         )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2))
     print(f"\nwrote {args.json}")
     return rows

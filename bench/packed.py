@@ -11,14 +11,10 @@ On CUDA the default path is the Triton kernel; elsewhere the chunk path.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gdn2.testing import median_ms
 
 
 def main(argv=None) -> None:
@@ -61,17 +57,6 @@ def main(argv=None) -> None:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def timed(run):
-        run()
-        sync()
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            run()
-            sync()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
     cases = {
         "packed": (inputs(1, total), dict(cu_seqlens=torch.tensor(offsets, device=device))),
         "padded": (inputs(len(lengths), longest), {}),
@@ -88,7 +73,7 @@ def main(argv=None) -> None:
             o, _ = chunk_gdn2(*tensors, chunk_size=args.chunk_size, path=args.path, **extra)
             o.float().sum().backward()
 
-        fwd, both = timed(forward), timed(forward_backward)
+        fwd, both = (median_ms(run, args.repeats, 1, sync) for run in (forward, forward_backward))
         shape = f"[{tensors[0].shape[0]}, {tensors[0].shape[1]}]"
         print(f"{name:<8} {shape:<18} {fwd:>9.2f} {both:>11.2f} {total / both * 1e3:>19.0f}")
 

@@ -12,74 +12,41 @@ import time
 
 import numpy as np
 
-from .spec import INPUT_NAMES, random_inputs, reference_backward, reference_forward, relative_error
+from .spec import INPUT_NAMES, relative_error
+from .testing import make_case, run_mlx, run_torch, worst_error
 
-GRADS = INPUT_NAMES + ("initial_state",)
 
-
-def _run_torch(inputs, d_o, d_final, path, chunk_size):
+def _torch_device() -> str:
     import torch
 
-    from .torch import chunk_gdn2, which_path
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    leaves = {n: torch.tensor(inputs[n], dtype=torch.float32, device=device, requires_grad=True) for n in GRADS}
-    args = [leaves[n] for n in INPUT_NAMES]
-    choice = which_path(*args, initial_state=leaves["initial_state"], chunk_size=chunk_size, path=path)
-    start = time.perf_counter()
-    o, final_state = chunk_gdn2(
-        *args, initial_state=leaves["initial_state"], output_final_state=True, chunk_size=chunk_size, path=path
-    )
-    torch.autograd.backward(
-        [o, final_state], [torch.tensor(d_o, dtype=torch.float32, device=device), torch.tensor(d_final, device=device, dtype=torch.float32)]
-    )
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    result = dict(o=o, final_state=final_state, **{f"d{n}": leaves[n].grad for n in GRADS})
-    return {n: x.detach().double().cpu().numpy() for n, x in result.items()}, seconds, choice
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run_mlx(inputs, d_o, d_final, path, chunk_size):
-    import mlx.core as mx
-
-    from .mlx import chunk_gdn2, which_path
-
-    arrays = [mx.array(inputs[n], dtype=mx.float32) for n in GRADS]
-    choice = which_path(*arrays[:6], initial_state=arrays[6], chunk_size=chunk_size, path=path)
-    d_o, d_final = mx.array(d_o, dtype=mx.float32), mx.array(d_final, dtype=mx.float32)
-
-    def loss(*xs):
-        o, final_state = chunk_gdn2(
-            *xs[:6], initial_state=xs[6], output_final_state=True, chunk_size=chunk_size, path=path
-        )
-        return (o * d_o).sum() + (final_state * d_final).sum(), (o, final_state)
-
-    start = time.perf_counter()
-    (_, (o, final_state)), grads = mx.value_and_grad(loss, argnums=tuple(range(7)))(*arrays)
-    mx.eval(o, final_state, grads)
-    seconds = time.perf_counter() - start
-    result = dict(o=o, final_state=final_state, **{f"d{n}": g for n, g in zip(GRADS, grads)})
-    return {n: np.array(x).astype(np.float64) for n, x in result.items()}, seconds, choice
+def _run(framework: str, case: dict, path: str, chunk_size: int):
+    """Forward and backward on one path: (float64 results, seconds, the path choice)."""
+    choice = _which_path(framework, case["inputs"], chunk_size, path)
+    start = time.perf_counter()  # the results come back as numpy: the time includes the device's work
+    if framework == "torch":
+        result = run_torch(case, "float32", chunk_size, path, device=_torch_device())
+    else:
+        result = run_mlx(case, "float32", chunk_size, path)
+    return result, time.perf_counter() - start, choice
 
 
-def _kernel_problem(framework: str, inputs, chunk_size: int) -> str | None:
-    """Why the kernel path cannot run here (None: it can)."""
+def _which_path(framework: str, inputs, chunk_size: int, path: str):
     if framework == "torch":
         import torch
 
         from .torch import which_path
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        arrays = [torch.tensor(inputs[n], dtype=torch.float32, device=device) for n in INPUT_NAMES]
+        arrays = [torch.tensor(inputs[n], dtype=torch.float32, device=_torch_device()) for n in INPUT_NAMES]
     else:
         import mlx.core as mx
 
         from .mlx import which_path
 
         arrays = [mx.array(inputs[n], dtype=mx.float32) for n in INPUT_NAMES]
-    choice = which_path(*arrays, chunk_size=chunk_size, path="kernel")
-    return None if choice.path == "kernel" else choice.reason
+    return which_path(*arrays, chunk_size=chunk_size, path=path)
 
 
 def main(argv=None) -> int:
@@ -95,39 +62,33 @@ def main(argv=None) -> int:
 
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"GDN-2 demo: B={args.B} T={args.T} H={args.H} K={args.K} V={args.V} float32, seed {seed}")
-    inputs = random_inputs(args.B, args.T, args.H, args.K, args.V, seed, log_decay_range=(-5.0, 0.0))
-    rng = np.random.default_rng(seed + 1)
-    d_o = rng.standard_normal((args.B, args.T, args.H, args.V))
-    d_final = rng.standard_normal((args.B, args.H, args.K, args.V))
     start = time.perf_counter()
-    o, final_state = reference_forward(**inputs)
-    expected = dict(o=o, final_state=final_state)
-    expected.update({f"d{n}": g for n, g in reference_backward(**inputs, d_o=d_o, d_final_state=d_final).items()})
+    case = make_case(args.B, args.T, args.H, args.K, args.V, seed, log_decay_range=(-5.0, 0.0))
+    expected = case["expected"]
     print(f"float64 spec (numpy): {time.perf_counter() - start:.2f} s")
 
-    runners = {}
-    for framework, runner in (("torch", _run_torch), ("mlx", _run_mlx)):
+    frameworks = []
+    for framework in ("torch", "mlx"):
         try:
             __import__(framework)
-            runners[framework] = runner
+            frameworks.append(framework)
         except ImportError:
             print(f"{framework}: not installed, skipped (pip install 'gdn2[{framework}]')")
     results, worst = {}, 0.0
     print(f"\n{'framework':<9} {'path':<10} {'fwd+bwd s':>9}  {'worst rel. error vs spec':<30} path taken")
-    for framework, runner in runners.items():
+    for framework in frameworks:
         for path in ("reference", "chunk", "kernel"):
             if path == "kernel":
-                reason = _kernel_problem(framework, inputs, args.chunk_size)
-                if reason is not None:
-                    print(f"{framework:<9} {path:<10} {'':>9}  not run: {reason}")
+                choice = _which_path(framework, case["inputs"], args.chunk_size, path)
+                if choice.path != "kernel":
+                    print(f"{framework:<9} {path:<10} {'':>9}  not run: {choice.reason}")
                     continue
-            result, seconds, choice = runner(inputs, d_o, d_final, path, args.chunk_size)
-            errors = {n: relative_error(result[n], expected[n]) for n in expected}
-            name = max(errors, key=errors.get)
-            worst = max(worst, errors[name])
+            result, seconds, choice = _run(framework, case, path, args.chunk_size)
+            error, name, _ = worst_error(result, expected)
+            worst = max(worst, error)
             results[(framework, choice.path)] = result
-            print(f"{framework:<9} {path:<10} {seconds:>9.3f}  {errors[name]:.1e} ({name}){'':<17} {choice}")
-    if "torch" in runners and "mlx" in runners:
+            print(f"{framework:<9} {path:<10} {seconds:>9.3f}  {error:.1e} ({name}){'':<17} {choice}")
+    if "torch" in frameworks and "mlx" in frameworks:
         print()
         for path in ("reference", "chunk"):
             a, b = results.get(("torch", path)), results.get(("mlx", path))

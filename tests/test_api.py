@@ -44,31 +44,30 @@ def call(framework, x, **kwargs):
     return api(framework).chunk_gdn2(**args)
 
 
-# (what to change, a phrase the error must contain)
+# (what to change, a phrase the error must contain), by the argument and what is wrong with it
 BAD_INPUTS = [
-    (lambda x, m: dict(k=m(np.ones((2, 5, 2, 5)))), "k: expected shape [B, T, H, K] = [2, 5, 2, 4]"),
-    (lambda x, m: dict(g=m(np.ones((2, 6, 2, 4)))), "g: expected shape [B, T, H, K]"),
-    (lambda x, m: dict(b=m(np.ones((2, 5, 3, 4)))), "b: expected shape [B, T, H, K]"),
-    (lambda x, m: dict(w=m(np.ones((2, 5, 2, 4)))), "w: expected shape [B, T, H, V] = [2, 5, 2, 3]"),
-    (lambda x, m: dict(v=m(np.ones((1, 5, 2, 3)))), "v: expected shape [B, T, H, V] = [2, 5, 2, 3] (B, T, H from q, V from v), received [1, 5, 2, 3]"),
-    (lambda x, m: dict(q=m(np.ones((2, 5, 2)))), "q: expected 4 dimensions"),
-    (lambda x, m: dict(w=m(np.ones((2, 5, 2, 3)), "float16")), "w: expected dtype float32 (the dtype of q), received float16"),
-    (lambda x, m: dict(initial_state=m(np.ones((2, 2, 4, 4)), "float32")), "initial_state: expected shape [B, H, K, V] = [2, 2, 4, 3]"),
-    (lambda x, m: dict(initial_state=m(np.ones((2, 2, 4, 3)), "float16")), "initial_state: expected dtype float32, received float16"),
-    (lambda x, m: dict(chunk_size=0), "chunk_size: expected an integer >= 1, received 0"),
-    (lambda x, m: dict(chunk_size=2.5), "chunk_size: expected an integer >= 1"),
-    (lambda x, m: dict(scale=0.0), "scale: expected a finite number > 0, received 0.0"),
-    (lambda x, m: dict(scale=float("nan")), "scale: expected a finite number > 0"),
-    (lambda x, m: dict(scale=-1.0), "scale: expected a finite number > 0"),
-    (lambda x, m: dict(path="fast"), "path: expected one of reference, chunk, kernel"),
+    pytest.param(lambda x, m: dict(k=m(np.ones((2, 5, 2, 5)))), "k: expected shape [B, T, H, K] = [2, 5, 2, 4]", id="k-shape"),
+    pytest.param(lambda x, m: dict(g=m(np.ones((2, 6, 2, 4)))), "g: expected shape [B, T, H, K]", id="g-shape"),
+    pytest.param(lambda x, m: dict(b=m(np.ones((2, 5, 3, 4)))), "b: expected shape [B, T, H, K]", id="b-shape"),
+    pytest.param(lambda x, m: dict(w=m(np.ones((2, 5, 2, 4)))), "w: expected shape [B, T, H, V] = [2, 5, 2, 3]", id="w-shape"),
+    pytest.param(lambda x, m: dict(v=m(np.ones((1, 5, 2, 3)))), "v: expected shape [B, T, H, V] = [2, 5, 2, 3] (B, T, H from q, V from v), received [1, 5, 2, 3]", id="v-shape"),
+    pytest.param(lambda x, m: dict(q=m(np.ones((2, 5, 2)))), "q: expected 4 dimensions", id="q-dimensions"),
+    pytest.param(lambda x, m: dict(w=m(np.ones((2, 5, 2, 3)), "float16")), "w: expected dtype float32 (the dtype of q), received float16", id="w-dtype"),
+    pytest.param(lambda x, m: dict(initial_state=m(np.ones((2, 2, 4, 4)), "float32")), "initial_state: expected shape [B, H, K, V] = [2, 2, 4, 3]", id="initial_state-shape"),
+    pytest.param(lambda x, m: dict(initial_state=m(np.ones((2, 2, 4, 3)), "float16")), "initial_state: expected dtype float32, received float16", id="initial_state-dtype"),
+    pytest.param(lambda x, m: dict(chunk_size=0), "chunk_size: expected an integer >= 1, received 0", id="chunk_size-0"),
+    pytest.param(lambda x, m: dict(chunk_size=2.5), "chunk_size: expected an integer >= 1", id="chunk_size-2.5"),
+    pytest.param(lambda x, m: dict(scale=0.0), "scale: expected a finite number > 0, received 0.0", id="scale-0"),
+    pytest.param(lambda x, m: dict(scale=float("nan")), "scale: expected a finite number > 0", id="scale-nan"),
+    pytest.param(lambda x, m: dict(scale=-1.0), "scale: expected a finite number > 0", id="scale-negative"),
+    pytest.param(lambda x, m: dict(path="fast"), "path: expected one of reference, chunk, kernel", id="path-unknown"),
 ]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
-def test_bad_input_names_argument_expected_and_received(framework, case):
+@pytest.mark.parametrize("change,message", BAD_INPUTS)
+def test_bad_input_names_argument_expected_and_received(framework, change, message):
     x = arrays(framework)
-    change, message = BAD_INPUTS[case]
     with pytest.raises(ValueError) as error:
         call(framework, x, **change(x, x["make"]))
     assert message in str(error.value)

@@ -8,124 +8,111 @@ cover the Python orchestration, the ``mx.custom_function`` vjp and the Metal sou
 
 from __future__ import annotations
 
-import sys
-import warnings
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.metal_harness` under plain `pytest` too
-
-from gdn2 import paths, spec  # noqa: E402
+from gdn2 import spec  # noqa: E402
 from gdn2.mlx import metal  # noqa: E402
 from gdn2.mlx.metal import scan_source as metal_source  # noqa: E402
+from gdn2.testing import (  # noqa: E402
+    GRAD_NAMES,
+    Shape,
+    assert_close,
+    make_case,
+    mlx_arrays,
+    mlx_gradients,
+    packed_case,
+    random_lengths,
+    rounded_case,
+    run_mlx,
+)
 from tests.metal_harness import harness  # noqa: E402
 
 SMALL = dict(forward=metal.Geometry(2, 2), backward=metal.Geometry(2, 2))  # 64 threads, 4-column tiles
-NAMES = spec.INPUT_NAMES + ("initial_state",)
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 
-# (B, T, H, K, V, chunk_size, geometry): T a multiple of no chunk (nor of the staged block),
-# K != V, K not a multiple of 32, several value tiles; the default geometry once; decode.
+# (shape, checkpoint interval, threadgroup geometry): T a multiple of no interval (nor of the
+# staged block), K != V, K not a multiple of 32, several value tiles; the default geometry once;
+# decode.
 SHAPES = [
-    (1, 7, 2, 40, 10, 3, SMALL),
-    (2, 13, 1, 32, 24, 5, SMALL),
-    (1, 37, 1, 64, 6, 16, SMALL),
-    (1, 11, 1, 48, 20, 4, None),
-    (1, 3, 1, 256, 256, 2, None),  # the largest K and V: 8 key channels per lane
-    (1, 1, 2, 16, 8, 64, SMALL),
+    (Shape(1, 7, 2, 40, 10), 3, SMALL),
+    (Shape(2, 13, 1, 32, 24), 5, SMALL),
+    (Shape(1, 37, 1, 64, 6), 16, SMALL),
+    (Shape(1, 11, 1, 48, 20), 4, None),
+    (Shape(1, 3, 1, 256, 256), 2, None),  # the largest K and V: 8 key channels per lane
+    (Shape(1, 1, 2, 16, 8), 64, SMALL),
 ]
 TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 2.5e-2}
 
 
-def make_case(B, T, H, K, V, seed, dtype="float32", log_decay_range=(-3.0, 0.0)):
-    """Inputs rounded to ``dtype`` (the spec sees the rounded values), cotangents, spec results."""
-    x = spec.random_inputs(B, T, H, K, V, seed, log_decay_range=log_decay_range)
-    arrays = {n: mx.array(x[n].astype(np.float32)).astype(getattr(mx, dtype)) for n in spec.INPUT_NAMES}
-    arrays["initial_state"] = mx.array(x["initial_state"].astype(np.float32))
-    rounded = {n: np.array(arrays[n].astype(mx.float32), dtype=np.float64) for n in NAMES}
-    rng = np.random.default_rng(seed + 1)
-    d_o = rng.standard_normal((B, T, H, V))
-    d_final = rng.standard_normal((B, H, K, V))
-    o, final = spec.reference_forward(**rounded)
-    grads = spec.reference_backward(**rounded, d_o=d_o, d_final_state=d_final)
-    return dict(arrays=arrays, d_o=d_o, d_final=d_final, o=o, final=final, grads=grads, K=K)
+def shape_id(value) -> str:
+    if isinstance(value, Shape):
+        return str(value)
+    if isinstance(value, int):
+        return f"interval{value}"
+    return "small-tiles" if value else "default-tiles"
+
+
+def rounded_to(dtype: str):
+    """Round float64 numpy values to an MLX dtype and back."""
+    return lambda x: np.array(mx.array(x.astype(np.float32)).astype(getattr(mx, dtype)).astype(mx.float32), dtype=np.float64)
+
+
+def metal_case(shape: Shape, seed, dtype="float32"):
+    """A case whose inputs are rounded to ``dtype`` (the spec sees the rounded values)."""
+    return rounded_case(shape.case(seed, reference=False), rounded_to(dtype))
+
+
+def run_kernel_path(case, dtype, checkpoint_interval, geometry):
+    """Forward and every gradient of ``metal_gdn2``, every launch through the harness."""
+    kernel = partial(metal.metal_gdn2, scale=case["inputs"]["q"].shape[-1] ** -0.5, checkpoint_interval=checkpoint_interval)
+    with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**(geometry or {})):
+        return mlx_gradients(case, dtype, kernel)
+
+
+def check_every_output(result, case, tolerance, dtype):
+    for name, value in result.items():
+        assert_close(name, value, case["expected"][name], tolerance)
+    for name in GRAD_NAMES:  # gradients in the dtype of their input
+        assert result.dtypes[f"d{name}"] == ("float32" if name == "initial_state" else dtype), name
+
+
+@pytest.mark.parametrize("shape,checkpoint_interval,geometry", SHAPES, ids=shape_id)
+def test_kernel_matches_spec_forward_and_every_gradient(shape, checkpoint_interval, geometry, seed):
+    case = metal_case(shape, seed)
+    result = run_kernel_path(case, "float32", checkpoint_interval, geometry)
+    check_every_output(result, case, TOLERANCE["float32"], "float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_inputs_float32_state(dtype, seed):
+    case = metal_case(Shape(1, 9, 2, 40, 12), seed, dtype)
+    result = run_kernel_path(case, dtype, 4, SMALL)
+    assert result.dtypes["o"] == dtype and result.dtypes["final_state"] == "float32"
+    assert_close("final_state", result.pop("final_state"), case["expected"]["final_state"], 1e-5)  # float32 state, float32 math
+    check_every_output(result, case, TOLERANCE[dtype], dtype)
+
+
+def test_strong_decay_stays_finite_and_accurate(seed):
+    """g anywhere in [-20, 0] over a long sequence: every exponent is one step's g."""
+    case = metal_case(Shape(1, 45, 1, 32, 8, log_decay_range=(-20.0, 0.0)), seed)
+    result = run_kernel_path(case, "float32", 16, SMALL)
+    check_every_output(result, case, 2e-5, "float32")
 
 
 def as64(x) -> np.ndarray:
     return np.array(x.astype(mx.float32), dtype=np.float64)
 
 
-def run_kernel_path(case, chunk_size, geometry, with_grad=True):
-    """Forward (and gradients of sum(o*d_o) + sum(final*d_final)) through the harness."""
-    a = case["arrays"]
-    scale = case["K"] ** -0.5
-    d_o = mx.array(case["d_o"].astype(np.float32))
-    d_final = mx.array(case["d_final"].astype(np.float32))
-
-    def loss(*inputs):
-        o, final = metal.metal_gdn2(*inputs[:6], scale=scale, initial_state=inputs[6], output_final_state=True,
-                                     checkpoint_interval=chunk_size)
-        return (o.astype(mx.float32) * d_o).sum() + (final * d_final).sum(), (o, final)
-
-    with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**(geometry or {})):
-        if not with_grad:
-            return loss(*(a[n] for n in NAMES))[1], None
-        (_, (o, final)), grads = mx.value_and_grad(loss, argnums=tuple(range(7)))(*(a[n] for n in NAMES))
-        mx.eval(o, final, grads)
-    return (o, final), dict(zip(NAMES, grads))
-
-
-def check(name, got, expected, tolerance, seed):
-    error = spec.relative_error(got, expected)
-    assert error < tolerance, f"{name}: relative error {error:.3e} >= {tolerance:.1e} (seed={seed})"
-    return error
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}C{}{}".format(*s[:6], "" if s[6] else "-default"))
-def test_kernel_matches_spec_forward_and_every_gradient(shape, seed):
-    B, T, H, K, V, chunk_size, geometry = shape
-    case = make_case(B, T, H, K, V, seed)
-    (o, final), grads = run_kernel_path(case, chunk_size, geometry)
-    tolerance = TOLERANCE["float32"]
-    check("o", as64(o), case["o"], tolerance, seed)
-    check("final_state", as64(final), case["final"], tolerance, seed)
-    for name in NAMES:
-        assert grads[name].dtype == case["arrays"][name].dtype
-        check(f"d{name}", as64(grads[name]), case["grads"][name], tolerance, seed)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_inputs_float32_state(dtype, seed):
-    case = make_case(1, 9, 2, 40, 12, seed, dtype=dtype)
-    (o, final), grads = run_kernel_path(case, 4, SMALL)
-    assert o.dtype == getattr(mx, dtype) and final.dtype == mx.float32
-    tolerance = TOLERANCE[dtype]
-    check("o", as64(o), case["o"], tolerance, seed)
-    check("final_state", as64(final), case["final"], 1e-5, seed)  # float32 state, float32 math
-    for name in NAMES:
-        assert grads[name].dtype == case["arrays"][name].dtype
-        check(f"d{name}", as64(grads[name]), case["grads"][name], tolerance, seed)
-
-
-def test_strong_decay_stays_finite_and_accurate(seed):
-    """g anywhere in [-20, 0] over a long sequence: every exponent is one step's g."""
-    case = make_case(1, 45, 1, 32, 8, seed, log_decay_range=(-20.0, 0.0))
-    (o, final), grads = run_kernel_path(case, 16, SMALL)
-    check("o", as64(o), case["o"], 2e-5, seed)
-    check("final_state", as64(final), case["final"], 2e-5, seed)
-    for name in NAMES:
-        check(f"d{name}", as64(grads[name]), case["grads"][name], 2e-5, seed)
-
-
 def test_decode_steps_continue_a_prefill(seed):
     """T == 1 with a state, step after step, reproduces the spec over the whole sequence."""
     B, T, H, K, V = 1, 4, 2, 24, 8
-    case = make_case(B, T, H, K, V, seed)
-    a = case["arrays"]
+    case = metal_case(Shape(B, T, H, K, V), seed)
+    a = mlx_arrays(case, "float32")
     state = a["initial_state"]
     outputs = []
     with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
@@ -134,32 +121,30 @@ def test_decode_steps_continue_a_prefill(seed):
             o, state = metal.metal_gdn2(*step, scale=K**-0.5, initial_state=state, output_final_state=True)
             assert o.shape == (B, 1, H, V) and state.shape == (B, H, K, V)
             outputs.append(as64(o))
-    check("o (decode)", np.concatenate(outputs, axis=1), case["o"], 2e-5, seed)
-    check("final_state (decode)", as64(state), case["final"], 2e-5, seed)
+    assert_close("o (decode)", np.concatenate(outputs, axis=1), case["expected"]["o"], 2e-5)
+    assert_close("final_state (decode)", as64(state), case["expected"]["final_state"], 2e-5)
 
 
 def test_no_initial_state_and_no_final_state(seed):
     B, T, H, K, V = 1, 6, 1, 32, 8
-    case = make_case(B, T, H, K, V, seed)
-    a = dict(case["arrays"])
-    zero_state = {n: np.array(a[n].astype(mx.float32), dtype=np.float64) for n in spec.INPUT_NAMES}
-    expected, _ = spec.reference_forward(**zero_state)
+    case = rounded_case(make_case(B, T, H, K, V, seed, with_state=False, reference=False), rounded_to("float32"))
+    a = mlx_arrays(case, "float32")
     with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
         o, final = metal.metal_gdn2(*(a[n] for n in spec.INPUT_NAMES), scale=K**-0.5, initial_state=None,
-                                     output_final_state=False, checkpoint_interval=4)
+                                    output_final_state=False, checkpoint_interval=4)
     assert final is None
-    check("o", as64(o), expected, 2e-5, seed)
+    assert_close("o", as64(o), case["expected"]["o"], 2e-5)
 
 
 # ---- the generated source and the harness itself ----------------------------------------------
 
 
 def small_launches(seed):
-    case = make_case(1, 40, 1, 64, 6, seed)
-    a = case["arrays"]
+    case = make_case(1, 40, 1, 64, 6, seed, reference=False)
+    a = mlx_arrays(case, "float32")
     inputs = [a[n] for n in spec.INPUT_NAMES]
     d_o = mx.array(case["d_o"].astype(np.float32))
-    d_final = mx.array(case["d_final"].astype(np.float32))
+    d_final = mx.array(case["d_final_state"].astype(np.float32))
     return inputs, a["initial_state"], d_o, d_final
 
 
@@ -221,7 +206,7 @@ def test_harness_reports_a_divergent_barrier(seed):
 
 
 def test_unsupported_reasons(monkeypatch, seed):
-    a = make_case(1, 2, 1, 8, 4, seed)["arrays"]
+    a = mlx_arrays(make_case(1, 2, 1, 8, 4, seed, reference=False), "float32")
     args = [a[n] for n in spec.INPUT_NAMES]
     if not mx.metal.is_available():
         assert metal.unsupported_reason(*args, None, 64) == "Metal is not available on this machine"
@@ -232,21 +217,16 @@ def test_unsupported_reasons(monkeypatch, seed):
     assert "float64" in metal.unsupported_reason(*(x.astype(mx.float64) for x in args), None, 64)
 
 
-def api_arguments(case):
-    a = case["arrays"]
-    return dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], b=a["b"], w=a["w"], initial_state=a["initial_state"])
-
-
 def test_fallback_when_metal_is_missing_or_fails(monkeypatch, seed, fresh_path_log):
     """The MLX API gives way to the chunk path with one warning; the results stay right."""
     import gdn2.mlx as api
 
-    case = make_case(1, 6, 1, 16, 8, seed)
-    arguments = dict(api_arguments(case), output_final_state=True, chunk_size=4, path="kernel")
+    case = metal_case(Shape(1, 6, 1, 16, 8), seed)
+    arguments = dict(mlx_arrays(case, "float32"), output_final_state=True, chunk_size=4, path="kernel")
     if not mx.metal.is_available():
         with pytest.warns(RuntimeWarning, match="Metal is not available"):
             o, final = api.chunk_gdn2(**arguments)
-        check("o (no Metal)", as64(o), case["o"], 2e-5, seed)
+        assert_close("o (no Metal)", as64(o), case["expected"]["o"], 2e-5)
 
     def failing_launcher(launch):
         raise RuntimeError(f"Unable to build metal library from source for {launch.name} (seed {seed})")
@@ -254,17 +234,35 @@ def test_fallback_when_metal_is_missing_or_fails(monkeypatch, seed, fresh_path_l
     monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
     with metal.use_launcher(failing_launcher), pytest.warns(RuntimeWarning, match="Metal kernel failed"):
         o, final = api.chunk_gdn2(**arguments)
-    check("o (kernel failed)", as64(o), case["o"], 2e-5, seed)
-    check("final_state (kernel failed)", as64(final), case["final"], 2e-5, seed)
+    assert_close("o (kernel failed)", as64(o), case["expected"]["o"], 2e-5)
+    assert_close("final_state (kernel failed)", as64(final), case["expected"]["final_state"], 2e-5)
 
 
-def test_mlx_api_kernel_path_end_to_end(monkeypatch, seed):
+@pytest.fixture
+def harness_launches(monkeypatch, fresh_path_log):
+    """The MLX API's kernel path taken as available, every launch run by the harness with small
+    tiles; yields the names of the kernels launched."""
+    monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
+    used = []
+
+    def counting_launcher(launch):
+        used.append(launch.name)
+        return harness.harness_launcher(launch)
+
+    with metal.use_launcher(counting_launcher), metal.use_geometry(**SMALL):
+        yield used
+
+
+no_fallback = pytest.mark.filterwarnings("error")  # a fallback to another path warns: make it a failure
+
+
+@no_fallback
+def test_mlx_api_kernel_path_end_to_end(harness_launches, seed):
     """gdn2.mlx.chunk_gdn2(path='kernel') runs the Metal source (through the harness) under mx.grad."""
     import gdn2.mlx as api
 
-    case = make_case(1, 9, 2, 24, 8, seed)
-    monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
-    a = case["arrays"]
+    case = metal_case(Shape(1, 9, 2, 24, 8), seed)
+    a = mlx_arrays(case, "float32")
     assert api.which_path(a["q"], a["k"], a["v"], a["g"], a["b"], a["w"], path="kernel").path == "kernel"
     d_o = mx.array(case["d_o"].astype(np.float32))
 
@@ -273,19 +271,10 @@ def test_mlx_api_kernel_path_end_to_end(monkeypatch, seed):
                               chunk_size=4, path="kernel")
         return (o * d_o).sum()
 
-    used = []
-
-    def counting_launcher(launch):
-        used.append(launch.name)
-        return harness.harness_launcher(launch)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback may happen
-        with metal.use_launcher(counting_launcher), metal.use_geometry(**SMALL):
-            d_q = mx.grad(loss)(a["q"])
-    assert "gdn2_backward" in used and "gdn2_forward" in used
-    expected = spec.reference_backward(**{n: np.array(a[n], dtype=np.float64) for n in NAMES}, d_o=case["d_o"])
-    check("dq (API)", as64(d_q), expected["q"], 2e-5, seed)
+    d_q = mx.grad(loss)(a["q"])
+    assert "gdn2_backward" in harness_launches and "gdn2_forward" in harness_launches
+    expected = spec.reference_backward(**case["inputs"], d_o=case["d_o"])
+    assert_close("dq (API)", as64(d_q), expected["q"], 2e-5)
 
 
 def test_harness_reports_a_write_out_of_bounds(seed):
@@ -300,41 +289,28 @@ def test_harness_reports_a_write_out_of_bounds(seed):
         harness.run_launch(launch, schedules=(0,))
 
 
-def test_packed_sequences_on_the_kernel_path(monkeypatch, seed, fresh_path_log):
+@no_fallback
+def test_packed_sequences_on_the_kernel_path(harness_launches, seed):
     """cu_seqlens through the Metal kernels (run by the harness, as a zero-padded batch): equal to
     each sequence run alone, outputs, final states and every gradient."""
-    from frameworks import packed_case, random_lengths, run_packed_mlx
-
     case = packed_case(seed, random_lengths(seed, 3), H=1, K=16, V=8)
-    monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback may happen
-        with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
-            result = run_packed_mlx(case, "kernel", 8)
+    result = run_mlx(case, "float32", 8, "kernel")
+    assert "gdn2_backward" in harness_launches
     for name, value in result.items():
-        check(f"{name} (packed)", value, case["expected"][name], 2e-5, seed)
+        assert_close(f"{name} (packed)", value, case["expected"][name], 2e-5)
 
 
-def test_recurrent_decode_step_runs_the_kernel(monkeypatch, seed, fresh_path_log):
+@no_fallback
+def test_recurrent_decode_step_runs_the_kernel(harness_launches, seed):
     """gdn2.mlx.recurrent_gdn2 with T == 1 and a state (the layer's decode step) runs the Metal
     kernel where it can, and equals the spec."""
     import gdn2.mlx as api
 
-    case = make_case(1, 1, 2, 24, 8, seed)
-    a = case["arrays"]
-    monkeypatch.setattr(metal, "unsupported_reason", lambda *args, **kwargs: None)
-    used = []
-
-    def counting_launcher(launch):
-        used.append(launch.name)
-        return harness.harness_launcher(launch)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback may happen
-        with metal.use_launcher(counting_launcher), metal.use_geometry(**SMALL):
-            o, state = api.recurrent_gdn2(*(a[n] for n in spec.INPUT_NAMES), initial_state=a["initial_state"],
-                                          output_final_state=True)
-            mx.eval(o, state)
-    assert "gdn2_forward" in used
-    check("o (recurrent decode)", as64(o), case["o"], 2e-5, seed)
-    check("final_state (recurrent decode)", as64(state), case["final"], 2e-5, seed)
+    case = metal_case(Shape(1, 1, 2, 24, 8), seed)
+    a = mlx_arrays(case, "float32")
+    o, state = api.recurrent_gdn2(*(a[n] for n in spec.INPUT_NAMES), initial_state=a["initial_state"],
+                                  output_final_state=True)
+    mx.eval(o, state)
+    assert "gdn2_forward" in harness_launches
+    assert_close("o (recurrent decode)", as64(o), case["expected"]["o"], 2e-5)
+    assert_close("final_state (recurrent decode)", as64(state), case["expected"]["final_state"], 2e-5)

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from frameworks import GRAD_NAMES, make_case, run_mlx, run_torch, worst_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn2 import algorithm
 from gdn2.spec import INPUT_NAMES, random_inputs, reference_backward, reference_forward, relative_error
+from gdn2.testing import GRAD_NAMES, Shape, make_case, run_mlx, run_torch, worst_error
 from gdn2.xp import numpy_ops
 
 RUNNERS = {"torch": run_torch, "mlx": run_mlx}
+FRAMEWORKS = list(RUNNERS)
 
-# (B, T, H, K, V, chunk_size, log decay range): T not a multiple of the chunk, T = 1, K != V
-# (non-powers of two), chunk sizes 16 / 32 / 64 and odd, log decay down to -20 on every channel.
+# T not a multiple of the chunk, T = 1, K != V (non-powers of two), chunk sizes 16 / 32 / 64 and
+# odd, log decay down to -20 on every channel.
 SHAPES = [
-    (2, 37, 2, 16, 8, 16, (-20.0, 0.0)),
-    (1, 1, 2, 8, 8, 64, (-20.0, 0.0)),
-    (1, 45, 1, 48, 80, 32, (-3.0, 0.0)),
-    (2, 70, 1, 8, 12, 64, (-20.0, -10.0)),
-    (1, 23, 2, 5, 7, 7, (-1.0, 0.0)),
+    Shape(2, 37, 2, 16, 8, chunk_size=16, log_decay_range=(-20.0, 0.0)),
+    Shape(1, 1, 2, 8, 8, chunk_size=64, log_decay_range=(-20.0, 0.0)),
+    Shape(1, 45, 1, 48, 80, chunk_size=32),
+    Shape(2, 70, 1, 8, 12, chunk_size=64, log_decay_range=(-20.0, -10.0)),
+    Shape(1, 23, 2, 5, 7, chunk_size=7, log_decay_range=(-1.0, 0.0)),
 ]
 
 
@@ -45,32 +46,31 @@ def test_spec_gradients_match_finite_differences(seed):
         assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (name, numeric, analytic)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}C{}g{}".format(*s[:6], s[6][0]))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_numpy_chunk_algorithm_is_exact(shape, seed):
     """The shared chunked algorithm itself, run in float64 numpy, equals the spec to rounding."""
-    B, T, H, K, V, C, decay = shape
-    case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
+    case = shape.case(seed)
     x = case["inputs"]
     args = [x[n] for n in INPUT_NAMES]
-    o, final_state, states = algorithm.forward(numpy_ops, *args, K**-0.5, x["initial_state"], C)
-    grads = algorithm.backward(numpy_ops, *args, K**-0.5, states, case["d_o"], case["d_final_state"], C)
+    scale, C = shape.K**-0.5, shape.chunk_size
+    o, final_state, states = algorithm.forward(numpy_ops, *args, scale, x["initial_state"], C)
+    grads = algorithm.backward(numpy_ops, *args, scale, states, case["d_o"], case["d_final_state"], C)
     result = dict(o=o, final_state=final_state, **{f"d{n}": gr for n, gr in zip(GRAD_NAMES, grads)})
     error, name, _ = worst_error(result, case["expected"])
     assert error <= 1e-12, (name, error)
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("path", ["reference", "chunk"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}C{}g{}".format(*s[:6], s[6][0]))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_path_matches_spec_float32(framework, path, shape, seed):
-    B, T, H, K, V, C, decay = shape
-    case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
-    result = RUNNERS[framework](case, "float32", C, path)
+    case = shape.case(seed)
+    result = RUNNERS[framework](case, "float32", shape.chunk_size, path)
     error, name, _ = worst_error(result, case["expected"])
     assert error <= 1e-5, (name, error)
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("path", ["reference", "chunk"])
 def test_path_matches_spec_float64(framework, path, seed):
     case = make_case(2, 29, 2, 12, 6, seed, log_decay_range=(-20.0, 0.0))
@@ -79,7 +79,7 @@ def test_path_matches_spec_float64(framework, path, seed):
     assert error <= 1e-10, (name, error)
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_inputs(framework, dtype, seed):
     """Low-precision inputs: float32 accumulation, a float32 state, errors near the input rounding."""
@@ -89,7 +89,7 @@ def test_half_precision_inputs(framework, dtype, seed):
     assert error <= 2e-2, (name, error)
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_no_initial_state_and_final_state_gradient(framework, seed):
     case = make_case(1, 33, 2, 8, 8, seed, with_state=False)
     result = RUNNERS[framework](case, "float32", 16, "chunk")
@@ -168,7 +168,7 @@ def kimi_delta_attention(q, k, v, g, beta, initial_state, scale):
     return o, state
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_scalar_gates_equal_kimi_delta_attention(framework, seed):
     B, T, H, K, V = 2, 19, 2, 8, 6
     x = random_inputs(B, T, H, K, V, seed, log_decay_range=(-2.0, 0.0))
@@ -184,7 +184,7 @@ def test_scalar_gates_equal_kimi_delta_attention(framework, seed):
     assert relative_error(result["final_state"], expected_state) <= 1e-5
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_plain_delta_rule(framework, seed):
     """g = 0, b = w = 1: S_t = S_{t-1} + k_t (v_t - S_{t-1}^T k_t)^T."""
     B, T, H, K, V = 1, 25, 2, 8, 5

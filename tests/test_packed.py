@@ -4,33 +4,34 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from frameworks import packed_case, random_lengths, run_packed_mlx, run_packed_torch
 
 from gdn2.spec import INPUT_NAMES, random_inputs, relative_error
+from gdn2.testing import packed_case, random_lengths, run_mlx, run_torch
 
-RUNNERS = {"torch": run_packed_torch, "mlx": run_packed_mlx}
+RUNNERS = {"torch": run_torch, "mlx": run_mlx}
+FRAMEWORKS = list(RUNNERS)
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("path", ["reference", "chunk"])
 @pytest.mark.parametrize("chunk_size", [8, 16])
 def test_packed_equals_separate_runs(framework, path, chunk_size, seed):
     case = packed_case(seed, random_lengths(seed))
-    result = RUNNERS[framework](case, path, chunk_size)
+    result = RUNNERS[framework](case, "float32", chunk_size, path)
     for name, value in result.items():
         assert relative_error(value, case["expected"][name]) <= 1e-5, name
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_empty_sequence_passes_state_through(framework, seed):
     case = packed_case(seed, [5, 0, 12])
-    result = RUNNERS[framework](case, "chunk", 8)
+    result = RUNNERS[framework](case, "float32", 8, "chunk")
     for name, value in result.items():
         assert relative_error(value, case["expected"][name]) <= 1e-5, name
     assert np.allclose(result["final_state"][1], case["inputs"]["initial_state"][1])
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_split_and_join_sequences_is_exact(framework, seed):
     """The padded-batch adapter that the kernel paths use for packed input, on the chunk path."""
     from gdn2.packing import join_sequences, split_sequences
@@ -60,14 +61,14 @@ def test_split_and_join_sequences_is_exact(framework, seed):
 
 
 BAD_OFFSETS = [
-    ([1, 5, 20], "cu_seqlens: expected to start at 0, received 1"),
-    ([0, 12, 5, 20], "cu_seqlens: expected non-decreasing offsets"),
-    ([0, 5, 19], "cu_seqlens: expected to end at T=20, received 19"),
-    ([0], "cu_seqlens: expected shape [N + 1] with N >= 1"),
+    pytest.param([1, 5, 20], "cu_seqlens: expected to start at 0, received 1", id="start-1"),
+    pytest.param([0, 12, 5, 20], "cu_seqlens: expected non-decreasing offsets", id="decreasing"),
+    pytest.param([0, 5, 19], "cu_seqlens: expected to end at T=20, received 19", id="end-19"),
+    pytest.param([0], "cu_seqlens: expected shape [N + 1] with N >= 1", id="no-sequence"),
 ]
 
 
-@pytest.mark.parametrize("framework", ["torch", "mlx"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("offsets,message", BAD_OFFSETS)
 def test_bad_offsets(framework, offsets, message):
     x = random_inputs(1, 20, 2, 4, 3, 0)

@@ -12,12 +12,11 @@ torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from frameworks import make_case, run_torch, worst_error  # noqa: E402
-
 from gdn2.paths import forget_announcements  # noqa: E402
 from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
 from gdn2.spec import reference_backward, reference_forward  # noqa: E402
+from gdn2.testing import make_case, run_torch, worst_error  # noqa: E402
 from gdn2.torch.ops import which_path  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
@@ -171,12 +170,12 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
 @kernel_only
 def test_packed_sequences_on_the_kernel_path(interpreter, seed):
     """cu_seqlens through the Triton kernels (as a zero-padded batch): equal to separate runs."""
-    from frameworks import packed_case, random_lengths, run_packed_torch
+    from gdn2.testing import packed_case, random_lengths
 
     case = packed_case(seed, random_lengths(seed, 4), H=1, K=16, V=8)
     forget_announcements()  # so that a fallback would warn (and fail) even if it happened before
     assert which_path(*(torch.zeros(1, 1, 1, 16) for _ in range(6)), path="kernel").path == "kernel"
-    result = run_packed_torch(case, "kernel", 64)
+    result = run_torch(case, "float32", 64, "kernel")
     for name, value in result.items():
         error = float(np.linalg.norm(value - case["expected"][name]) / np.linalg.norm(case["expected"][name]))
         assert error <= 1e-4, (name, error, seed)
