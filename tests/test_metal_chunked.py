@@ -5,15 +5,10 @@ state. Shapes are chosen so that few distinct kernels are compiled (T and H are 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdn2 import spec  # noqa: E402
 from gdn2.mlx import metal  # noqa: E402

@@ -3,15 +3,10 @@ backward of a call may run different kernels, and every combination equals the f
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdn2.mlx import metal  # noqa: E402
 from gdn2.mlx.metal import dispatch  # noqa: E402

@@ -5,15 +5,10 @@ lane-dependent load arguments)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdn2.mlx.metal import KernelLaunch  # noqa: E402
 from tests.metal_harness import harness  # noqa: E402
