@@ -44,3 +44,36 @@ def test_forward_and_backward_on_different_kernels(forward, backward, monkeypatc
     # the probe runs both families once; the call itself: the forward's kernels, then the backward's
     call = used[-(1 if forward == "scan" else 2) - (2 if backward == "scan" else 4):]
     assert call[0].startswith(prefix[forward]) and call[-1].startswith(prefix[backward]), call
+
+
+@pytest.mark.parametrize("kind", ["scan", "chunked"])
+def test_the_kernel_path_traces_under_mx_compile(kind, monkeypatch, seed):
+    """``mx.compile`` around forward and backward: the wrappers read no array values, so the
+    kernels are captured in the compiled graph (a second call launches nothing from Python).
+    The launcher stands in for Metal with zeros of the right shapes (the harness needs concrete
+    inputs, which a traced call does not have)."""
+    monkeypatch.setenv("GDN2_METAL_KERNEL", kind)
+    case = make_case(2, 37, 2, 24, 40, seed)
+    a = case["arrays"]
+    launches = []
+
+    def zeros_launcher(launch):
+        launches.append(launch.name)
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)]
+
+    def loss(*inputs):
+        o, final = dispatch.run(*inputs[:6], scale=0.2, initial_state=inputs[6], output_final_state=True)
+        return (o.astype(mx.float32) ** 2).sum() + final.sum()
+
+    step = mx.compile(mx.value_and_grad(loss, argnums=tuple(range(7))))
+    arrays = [a[n] for n in NAMES]
+    with metal.use_launcher(zeros_launcher):
+        dispatch.probe(dispatch.KernelPlan(kind, kind, "test"), mx.float32, 24, 40, 64)
+        launches.clear()
+        value, grads = step(*arrays)
+        mx.eval(value, grads)
+        traced = len(launches)
+        value, grads = step(*arrays)
+        mx.eval(value, grads)
+    assert traced == (3 if kind == "scan" else 6) and len(launches) == traced
+    assert [g.shape for g in grads] == [x.shape for x in arrays]
