@@ -105,3 +105,33 @@ def test_offsets_dtype_device_batch_and_state_rows():
     two_rows = [torch.cat([a, a]) for a in args]
     with pytest.raises(ValueError, match="with cu_seqlens the batch size must be 1"):
         chunk_gdn2(*two_rows, cu_seqlens=torch.tensor([0, 20]))
+
+
+def test_offsets_parsed_once_give_the_chunk_table_and_positions():
+    """The chunk layout starts every sequence in a new chunk: (first token, length) per chunk."""
+    from gdn2.spec import parse_cu_seqlens
+
+    sequences = parse_cu_seqlens(np.array([0, 5, 5, 21]), 1, 21)
+    assert sequences.count == 3 and sequences.lengths == (5, 0, 16)
+    table = sequences.chunk_table(8)
+    assert table.tolist() == [[0, 5], [5, 8], [13, 8]]
+    layout = sequences.chunk_layout(8)
+    for n, (first, length) in enumerate(table):
+        slots = layout.token_of_slot[n * 8 : (n + 1) * 8]
+        assert slots[:length].tolist() == list(range(first, first + length)) and (slots[length:] == 21).all()
+    assert sequences.positions().tolist() == list(range(5)) + list(range(16))
+    assert parse_cu_seqlens(sequences, 1, 21) is sequences
+
+
+def test_parsed_offsets_under_mx_compile(seed):
+    from functools import partial
+
+    from gdn2.mlx import chunk_gdn2
+    from gdn2.spec import parse_cu_seqlens
+    from gdn2.testing import mlx_gradients
+
+    case = packed_case(seed, random_lengths(seed, 3))
+    sequences = parse_cu_seqlens(case["cu_seqlens"], 1, int(case["cu_seqlens"][-1]))
+    result = mlx_gradients(case, "float32", partial(chunk_gdn2, chunk_size=8, path="chunk", cu_seqlens=sequences), compile=True)
+    for name, value in result.items():
+        assert relative_error(value, case["expected"][name]) <= 1e-5, name

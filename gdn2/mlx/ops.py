@@ -106,8 +106,7 @@ def chunk_gdn2(
     (float64 with float64 inputs) or None. Returns ``(o [B, T, H, V], final_state or None)``.
     Works under ``mx.grad``, ``mx.value_and_grad`` and ``mx.compile``. ``cu_seqlens``: ``[N + 1]``
     integer offsets of N sequences packed along T (B = 1), or those offsets already parsed
-    (``gdn2.spec.parse_cu_seqlens``: the way to pass them under ``mx.compile``, where array
-    values cannot be read); the state restarts at each sequence.
+    (``gdn2.spec.parse_cu_seqlens``); the state restarts at each sequence.
     """
     return paths.run(
         MLX, q, k, v, g, b, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,

@@ -10,12 +10,7 @@ from ..xp import Ops
 
 
 class MlxOps(Ops):
-    def compute_dtype(self, x):
-        # float64 runs on MLX's CPU stream.
-        return mx.float64 if x.dtype == mx.float64 else mx.float32
-
-    def astype(self, x, dtype):
-        return x.astype(dtype)
+    float32, float64 = mx.float32, mx.float64  # float64 runs on MLX's CPU stream
 
     def exp(self, x):
         if x.dtype == mx.float64:
