@@ -46,14 +46,12 @@ CHECK_SHAPES = [
     (1, 130, 2, 64, 64, (-20.0, 0.0)),
     (1, 77, 2, 256, 96, (-20.0, 0.0)),
     (1, 1, 2, 48, 80, (-20.0, 0.0)),
+    (2, 100, 2, 16, 16, (-20.0, 0.0)),
 ]
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(INTRA_FORWARD_WARPS=4),
-    dict(STATE_WARPS=8),
-    dict(STATE_MIN_PROGRAMS=512),
-    dict(STATE_WARPS=8, STATE_MIN_PROGRAMS=512),
+    dict(INTRA_FORWARD_WARPS=8),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -5,9 +5,10 @@
 
     forward:  intra_forward (parallel over chunks) -> state_forward (sequential over chunks)
               -> output (parallel)
-    backward: state_backward (sequential, reverse)  -> intra_backward (parallel over chunks)
+    backward: state_backward (sequential, reverse)  -> intra_backward (parallel: a value launch
+              over chunks, then a key launch over chunks and blocks of key columns)
 
-The kernels use chunks of 64 tokens; another ``chunk_size`` is a reason they cannot run the call.
+``docs/triton.md`` has the design, the numerics and what was measured. The kernels use chunks of 64 tokens; another ``chunk_size`` is a reason they cannot run the call.
 
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The

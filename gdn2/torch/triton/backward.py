@@ -98,13 +98,14 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
 INTRA_BACKWARD_KEY_BLOCK = 32
 INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
+INTRA_BACKWARD_KEYS_WARPS = 8
 
 @triton.jit
-def _intra_backward_kernel(
+def _intra_backward_values_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K|V]
     G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,  # saved / from state_backward
     d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32, written and read here
-    dq, dk, dv, dg, db, dw,  # outputs, shapes and dtypes of the inputs
+    dv, dw,  # outputs, shapes and dtypes of v and w
     scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -162,141 +163,172 @@ def _intra_backward_kernel(
                           mask=k_ok[None, :], other=0.0)
         d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
-    # P's diagonal (E_ii = 1) goes straight to dq and dk, not through dG.
-    d_P_diagonal = tl.sum(tl.where(cols_c[None, :] == rows[:, None], d_P, 0.0), 1)
-    d_P = tl.where(cols_c[None, :] < rows[:, None], d_P, 0.0)
+    d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)  # with its diagonal (read apart)
     tl.store(d_A_scratch + chunk_matrix, d_A)
     tl.store(d_P_scratch + chunk_matrix, d_P)
-    tl.debug_barrier()
+
+
+@triton.jit
+def _intra_backward_keys_kernel(
+    q, k, g, b,  # inputs [B, T, H, K]
+    G, states, U, d_o, d_leaving, d_U, inverse,  # saved / from the earlier launches
+    d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32 from _intra_backward_values_kernel
+    dq, dk, dg, db,  # outputs, shapes and dtypes of the inputs
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    k0 = tl.program_id(2) * BKB
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, C)
+    cols_c = tl.arange(0, C)
+    t = i_n * C + rows
+    row_ok = t < T
+    chunk_base = (i_bh * N + i_n) * C * C
+    chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
+    state_base = (i_bh * N + i_n) * K * V
+    value_in = i_b * T * H * V + i_h * V
+    key_in = i_b * T * H * K + i_h * K
+    # P's diagonal (E_ii = 1) goes straight to dq and dk, not through dG.
+    d_P_diagonal = tl.load(d_P_scratch + chunk_base + rows * C + rows)
 
     upper = (cols_c[None, :] >= rows[:, None]).to(tl.float32)
     strictly_lower = (cols_c[None, :] < rows[:, None]).to(tl.float32)
-    # 4. Everything else, by key blocks.
-    for k0 in range(0, K, BKB):
-        cols_k = k0 + tl.arange(0, BKB)
-        k_ok = cols_k < K
-        d_q_decayed = tl.zeros((C, BKB), dtype=tl.float32)
-        d_k_to_end = tl.zeros((C, BKB), dtype=tl.float32)
-        d_Wk = tl.zeros((C, BKB), dtype=tl.float32)
-        d_gamma = tl.zeros((BKB,), dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            cols_v = v0 + tl.arange(0, BV)
-            v_ok = cols_v < V
-            state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
-            state_mask = k_ok[:, None] & v_ok[None, :]
-            S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
-            dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
-            padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-            U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
-            dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
-            value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
-            d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-            d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
-            d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
-            d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
-            d_gamma += tl.sum(dS * S, 1)
-        d_bk_decayed = tl.dot(tl.trans(inverse_tile), d_Wk, input_precision=DOT)
+    # 4. Everything else, for this program's key block.
+    cols_k = k0 + tl.arange(0, BKB)
+    k_ok = cols_k < K
+    d_q_decayed = tl.zeros((C, BKB), dtype=tl.float32)
+    d_k_to_end = tl.zeros((C, BKB), dtype=tl.float32)
+    d_Wk = tl.zeros((C, BKB), dtype=tl.float32)
+    d_gamma = tl.zeros((BKB,), dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cols_v = v0 + tl.arange(0, BV)
+        v_ok = cols_v < V
+        state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
+        state_mask = k_ok[:, None] & v_ok[None, :]
+        S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
+        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
+        padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
+        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
+        value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
+        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
+        d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
+        d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
+        d_gamma += tl.sum(dS * S, 1)
+    d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix)), d_Wk, input_precision=DOT)
 
-        padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
-        key_offsets = key_in + t[:, None] * (H * K) + cols_k[None, :]
-        mask = row_ok[:, None] & k_ok[None, :]
-        G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
-        q_tile = tl.load(q + key_offsets, mask=mask, other=0.0).to(tl.float32)
-        k_tile = tl.load(k + key_offsets, mask=mask, other=0.0).to(tl.float32)
-        b_tile = tl.load(b + key_offsets, mask=mask, other=0.0).to(tl.float32)
-        bk = b_tile * k_tile
-        decay = tl.exp(G_tile)
-        G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
-        decay_to_end = tl.exp(G_last[None, :] - G_tile)
+    padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
+    key_offsets = key_in + t[:, None] * (H * K) + cols_k[None, :]
+    mask = row_ok[:, None] & k_ok[None, :]
+    G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
+    q_tile = tl.load(q + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    k_tile = tl.load(k + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    b_tile = tl.load(b + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    bk = b_tile * k_tile
+    decay = tl.exp(G_tile)
+    G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
+    decay_to_end = tl.exp(G_last[None, :] - G_tile)
 
-        d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_tile
-        d_G = d_q_decayed * q_tile * decay + d_bk_decayed * bk * decay
-        d_bk = d_bk_decayed * decay
-        d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_tile
-        k_to_end_terms = d_k_to_end * k_tile * decay_to_end
+    d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_tile
+    d_G = d_q_decayed * q_tile * decay + d_bk_decayed * bk * decay
+    d_bk = d_bk_decayed * decay
+    d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_tile
+    k_to_end_terms = d_k_to_end * k_tile * decay_to_end
 
-        d_bk_A = tl.zeros((C, BKB), dtype=tl.float32)
-        d_q_P = tl.zeros((C, BKB), dtype=tl.float32)
-        d_k_pair = tl.zeros((C, BKB), dtype=tl.float32)
-        for I in range(1, C // 16):
-            anchor = tl.load(G + i_bh * N * C * K + (i_n * C + I * 16 - 1) * K + cols_k, mask=k_ok, other=0.0)
-            in_block = (rows >= I * 16) & (rows < I * 16 + 16)
-            before = rows < I * 16
-            left = tl.exp(tl.where(in_block[:, None], G_tile - anchor[None, :], float("-inf")))
-            right = tl.exp(tl.where(before[:, None], anchor[None, :] - G_tile, float("-inf")))
-            block = in_block[:, None] & before[None, :]
-            d_A_block = tl.where(block, d_A, 0.0)
-            d_P_block = tl.where(block, d_P, 0.0)
-            k_right = k_tile * right
-            d_bk_A += left * tl.dot(d_A_block, k_right, input_precision=DOT)
-            d_q_P += left * tl.dot(d_P_block, k_right, input_precision=DOT)
-            d_k_pair += right * (
-                tl.dot(tl.trans(d_A_block), bk * left, input_precision=DOT)
-                + tl.dot(tl.trans(d_P_block), q_tile * left, input_precision=DOT)
-            )
-
-        window_back = tl.zeros((C, BKB), dtype=tl.float32)
-        window_ahead = tl.zeros((C, BKB), dtype=tl.float32)
-        for d in range(1, 16):
-            window_back += tl.load(
-                g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
-            ).to(tl.float32)
-            ahead_rows = k_ok[None, :] & (t[:, None] + d < T) & (rows[:, None] + d < C)
-            window_ahead += tl.load(g + key_offsets + d * (H * K), mask=ahead_rows, other=0.0).to(tl.float32)
-            has_back = (rows % 16) >= d
-            decay_back = tl.exp(tl.where(has_back[:, None], window_back, float("-inf")))
-            k_back = tl.load(k + key_offsets - d * (H * K), mask=mask & has_back[:, None], other=0.0).to(tl.float32)
-            k_back = k_back * decay_back
-            # entries (i, i - d) of dA and dP, read as vectors over i
-            back_entry = chunk_base + rows * C + rows - d
-            d_A_d = tl.load(d_A_scratch + back_entry, mask=has_back, other=0.0)
-            d_P_d = tl.load(d_P_scratch + back_entry, mask=has_back, other=0.0)
-            d_bk_A += d_A_d[:, None] * k_back
-            d_q_P += d_P_d[:, None] * k_back
-
-            has_ahead = (rows % 16) + d < 16
-            decay_ahead = tl.exp(tl.where(has_ahead[:, None], window_ahead, float("-inf")))
-            ahead_mask = k_ok[None, :] & (t[:, None] + d < T) & has_ahead[:, None]
-            q_ahead = tl.load(q + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32)
-            bk_ahead = tl.load(b + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32) * tl.load(
-                k + key_offsets + d * (H * K), mask=ahead_mask, other=0.0
-            ).to(tl.float32)
-            # entries (j + d, j), read as vectors over j
-            ahead_entry = chunk_base + (rows + d) * C + rows
-            d_A_ahead = tl.load(d_A_scratch + ahead_entry, mask=has_ahead, other=0.0)
-            d_P_ahead = tl.load(d_P_scratch + ahead_entry, mask=has_ahead, other=0.0)
-            d_k_pair += (d_A_ahead[:, None] * bk_ahead + d_P_ahead[:, None] * q_ahead) * decay_ahead
-
-        d_q += d_q_P
-        d_bk += d_bk_A
-        d_k += d_k_pair + d_bk * b_tile
-        d_G += bk * d_bk_A + q_tile * d_q_P - k_tile * d_k_pair
-        gamma = tl.exp(G_last)
-        d_g = (
-            tl.dot(upper, d_G, input_precision="ieee")
-            + tl.dot(strictly_lower, k_to_end_terms, input_precision="ieee")
-            + (d_gamma * gamma)[None, :]
+    d_bk_A = tl.zeros((C, BKB), dtype=tl.float32)
+    d_q_P = tl.zeros((C, BKB), dtype=tl.float32)
+    d_k_pair = tl.zeros((C, BKB), dtype=tl.float32)
+    for I in range(1, C // 16):
+        anchor = tl.load(G + i_bh * N * C * K + (i_n * C + I * 16 - 1) * K + cols_k, mask=k_ok, other=0.0)
+        in_block = (rows >= I * 16) & (rows < I * 16 + 16)
+        before = rows < I * 16
+        left = tl.exp(tl.where(in_block[:, None], G_tile - anchor[None, :], float("-inf")))
+        right = tl.exp(tl.where(before[:, None], anchor[None, :] - G_tile, float("-inf")))
+        block = in_block[:, None] & before[None, :]
+        d_A_block = tl.load(d_A_scratch + chunk_matrix, mask=block, other=0.0)
+        d_P_block = tl.load(d_P_scratch + chunk_matrix, mask=block, other=0.0)
+        k_right = k_tile * right
+        d_bk_A += left * tl.dot(d_A_block, k_right, input_precision=DOT)
+        d_q_P += left * tl.dot(d_P_block, k_right, input_precision=DOT)
+        d_k_pair += right * (
+            tl.dot(tl.trans(d_A_block), bk * left, input_precision=DOT)
+            + tl.dot(tl.trans(d_P_block), q_tile * left, input_precision=DOT)
         )
-        tl.store(dq + key_offsets, d_q.to(dq.dtype.element_ty), mask=mask)
-        tl.store(dk + key_offsets, d_k.to(dk.dtype.element_ty), mask=mask)
-        tl.store(db + key_offsets, (d_bk * k_tile).to(db.dtype.element_ty), mask=mask)
-        tl.store(dg + key_offsets, d_g.to(dg.dtype.element_ty), mask=mask)
+
+    window_back = tl.zeros((C, BKB), dtype=tl.float32)
+    window_ahead = tl.zeros((C, BKB), dtype=tl.float32)
+    for d in range(1, 16):
+        window_back += tl.load(
+            g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
+        ).to(tl.float32)
+        ahead_rows = k_ok[None, :] & (t[:, None] + d < T) & (rows[:, None] + d < C)
+        window_ahead += tl.load(g + key_offsets + d * (H * K), mask=ahead_rows, other=0.0).to(tl.float32)
+        has_back = (rows % 16) >= d
+        decay_back = tl.exp(tl.where(has_back[:, None], window_back, float("-inf")))
+        k_back = tl.load(k + key_offsets - d * (H * K), mask=mask & has_back[:, None], other=0.0).to(tl.float32)
+        k_back = k_back * decay_back
+        # entries (i, i - d) of dA and dP, read as vectors over i
+        back_entry = chunk_base + rows * C + rows - d
+        d_A_d = tl.load(d_A_scratch + back_entry, mask=has_back, other=0.0)
+        d_P_d = tl.load(d_P_scratch + back_entry, mask=has_back, other=0.0)
+        d_bk_A += d_A_d[:, None] * k_back
+        d_q_P += d_P_d[:, None] * k_back
+
+        has_ahead = (rows % 16) + d < 16
+        decay_ahead = tl.exp(tl.where(has_ahead[:, None], window_ahead, float("-inf")))
+        ahead_mask = k_ok[None, :] & (t[:, None] + d < T) & has_ahead[:, None]
+        q_ahead = tl.load(q + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32)
+        bk_ahead = tl.load(b + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32) * tl.load(
+            k + key_offsets + d * (H * K), mask=ahead_mask, other=0.0
+        ).to(tl.float32)
+        # entries (j + d, j), read as vectors over j
+        ahead_entry = chunk_base + (rows + d) * C + rows
+        d_A_ahead = tl.load(d_A_scratch + ahead_entry, mask=has_ahead, other=0.0)
+        d_P_ahead = tl.load(d_P_scratch + ahead_entry, mask=has_ahead, other=0.0)
+        d_k_pair += (d_A_ahead[:, None] * bk_ahead + d_P_ahead[:, None] * q_ahead) * decay_ahead
+
+    d_q += d_q_P
+    d_bk += d_bk_A
+    d_k += d_k_pair + d_bk * b_tile
+    d_G += bk * d_bk_A + q_tile * d_q_P - k_tile * d_k_pair
+    gamma = tl.exp(G_last)
+    d_g = (
+        tl.dot(upper, d_G, input_precision="ieee")
+        + tl.dot(strictly_lower, k_to_end_terms, input_precision="ieee")
+        + (d_gamma * gamma)[None, :]
+    )
+    tl.store(dq + key_offsets, d_q.to(dq.dtype.element_ty), mask=mask)
+    tl.store(dk + key_offsets, d_k.to(dk.dtype.element_ty), mask=mask)
+    tl.store(db + key_offsets, (d_bk * k_tile).to(db.dtype.element_ty), mask=mask)
+    tl.store(dg + key_offsets, d_g.to(dg.dtype.element_ty), mask=mask)
 
 
 def intra_backward(
     q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
     dq, dk, dv, dg, db, dw, scale: float, dot_precision: str,
 ) -> None:
-    """Launch the parallel backward over chunks (writes dq, dk, dv, dg, db, dw)."""
+    """Launch the parallel backward over chunks: the value side (dv, dw, and dA, dP through
+    scratch memory), then one program per chunk, head and block of key columns for the rest."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = inverse.shape[2]
     d_A_scratch = inverse.new_empty(inverse.shape)
     d_P_scratch = inverse.new_empty(inverse.shape)
-    BKB = min(INTRA_BACKWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = min(INTRA_BACKWARD_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))
-    _intra_backward_kernel[(N, B * H)](
+    # Blocks of at least 32 columns: with 16, Triton 3.6 on the H200 read past shared memory
+    # ("Invalid __shared__ read", compute-sanitizer) at K or V = 16; masks cover K, V < 32.
+    BKB = min(INTRA_BACKWARD_KEY_BLOCK, max(32, triton.next_power_of_2(K)))
+    BV = min(INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V)))
+    _intra_backward_values_kernel[(N, B * H)](
         q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U, d_A_scratch, d_P_scratch,
-        dq, dk, dv, dg, db, dw, scale, T, H, K, V, N,
+        dv, dw, scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+    )
+    _intra_backward_keys_kernel[(N, B * H, triton.cdiv(K, BKB))](
+        q, k, g, b, G, states, U, d_o, d_leaving, d_U, inverse, d_A_scratch, d_P_scratch,
+        dq, dk, dg, db, scale, T, H, K, V, N,
+        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
     )

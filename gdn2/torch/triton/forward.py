@@ -50,55 +50,15 @@ STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have
 
 
 @triton.jit
-def _later_segment_product(a, a_segment, b, b_segment):
-    """Combine of a segmented forward product scan: the product of the elements in the segment of
-    the later (larger) segment id only. Commutative, so any combine order gives the same result."""
-    return tl.where(a_segment == b_segment, a * b, tl.where(a_segment > b_segment, a, b)), tl.maximum(a_segment, b_segment)
-
-
-@triton.jit
-def _earlier_segment_product(a, a_segment, b, b_segment):
-    """Combine of a segmented reverse product scan (the earlier, smaller segment id wins)."""
-    return tl.where(a_segment == b_segment, a * b, tl.where(a_segment < b_segment, a, b)), tl.minimum(a_segment, b_segment)
-
-
-@triton.jit
-def _segment_prefix(x, segment):
-    """Inclusive product of ``x`` down axis 0 inside each segment (rows with the same id)."""
-    product, _ = tl.associative_scan((x, segment), 0, _later_segment_product)
-    return product
-
-
-@triton.jit
-def _segment_suffix(x, segment):
-    """Inclusive product of ``x`` up axis 0 (from the segment's last row) inside each segment."""
-    product, _ = tl.associative_scan((x, segment), 0, _earlier_segment_product, reverse=True)
-    return product
-
-
-@triton.jit
-def _inverse_diagonal_tile(base, I: tl.constexpr):
-    """``(I + A_II)^{-1}`` for the 16x16 diagonal tile I of the strictly lower ``A`` [64, 64] at
-    ``base``, by forward substitution; rows of ``A`` are read from memory."""
+def _inverse_unit_lower_16(A):
+    """``(I + A)^{-1}`` for a strictly lower 16x16 ``A``, by forward substitution (exact order)."""
     r = tl.arange(0, 16)
-    X = (r[:, None] == r[None, :]).to(tl.float32)
+    inverse = (r[:, None] == r[None, :]).to(tl.float32)
     for i in range(1, 16):
-        a_row = tl.load(base + (I * 16 + i) * 64 + I * 16 + r)  # A[i, j] over j (zero for j >= i)
-        update = tl.sum(a_row[:, None] * X, 0)  # sum_j A[i, j] X[j, :]
-        X = tl.where(r[:, None] == i, X - update[None, :], X)
-    return X
-
-
-@triton.jit
-def _load_tile16(base, I: tl.constexpr, J: tl.constexpr):
-    r = tl.arange(0, 16)
-    return tl.load(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :])
-
-
-@triton.jit
-def _store_tile16(base, I: tl.constexpr, J: tl.constexpr, x):
-    r = tl.arange(0, 16)
-    tl.store(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :], x)
+        a_row = tl.sum(tl.where(r[:, None] == i, A, 0.0), 0)  # A[i, :] indexed by column j
+        update = tl.sum(a_row[:, None] * inverse, 0)  # sum_j A[i, j] inverse[j, :]
+        inverse = tl.where(r[:, None] == i, inverse - update[None, :], inverse)
+    return inverse
 
 
 @triton.jit
@@ -107,40 +67,56 @@ def _ieee(a, b):
 
 
 @triton.jit
-def _invert_chunk_in_place(base):
-    """Overwrite the strictly lower ``A`` [64, 64] at ``base`` with ``(I + A)^{-1}``.
+def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
+    """Store a 16x16 tile at rows 16 I, columns 16 J of a [64, 64] chunk matrix."""
+    r = tl.arange(0, 16)
+    tl.store(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :], tile)
 
-    Diagonal 16x16 tiles by forward substitution, then ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``
-    with exact float32 products. The caller puts barriers around this (the matrix goes through
-    memory to be cut into tiles).
+
+@triton.jit
+def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
+    """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
+
+    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
+    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
     """
-    X00 = _inverse_diagonal_tile(base, 0)
-    X11 = _inverse_diagonal_tile(base, 1)
-    X22 = _inverse_diagonal_tile(base, 2)
-    X33 = _inverse_diagonal_tile(base, 3)
-    A10 = _load_tile16(base, 1, 0)
-    A20 = _load_tile16(base, 2, 0)
-    A21 = _load_tile16(base, 2, 1)
-    A30 = _load_tile16(base, 3, 0)
-    A31 = _load_tile16(base, 3, 1)
-    A32 = _load_tile16(base, 3, 2)
-    X10 = -_ieee(X11, _ieee(A10, X00))
-    X21 = -_ieee(X22, _ieee(A21, X11))
-    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
-    X32 = -_ieee(X33, _ieee(A32, X22))
-    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
-    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
-    tl.debug_barrier()  # every A tile is read before X overwrites it
-    _store_tile16(base, 0, 0, X00)
-    _store_tile16(base, 1, 1, X11)
-    _store_tile16(base, 2, 2, X22)
-    _store_tile16(base, 3, 3, X33)
-    _store_tile16(base, 1, 0, X10)
-    _store_tile16(base, 2, 0, X20)
-    _store_tile16(base, 2, 1, X21)
-    _store_tile16(base, 3, 0, X30)
-    _store_tile16(base, 3, 1, X31)
-    _store_tile16(base, 3, 2, X32)
+    r = tl.arange(0, 16)
+    t = t0 + I * 16 + r
+    ok = (t < T)[:, None] & col_ok[None, :]
+    offsets = key_base + t[:, None] * HK + cols[None, :]
+    q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
+    k_tile = tl.load(k + offsets, mask=ok, other=0.0).to(tl.float32)
+    bk = tl.load(b + offsets, mask=ok, other=0.0).to(tl.float32) * k_tile
+    g_tile = tl.load(g + offsets, mask=ok, other=0.0).to(tl.float32)
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
+    g_next = tl.load(g + offsets + HK, mask=next_ok, other=0.0).to(tl.float32)
+    L = tl.cumsum(g_tile, 0)
+    R = tl.cumsum(g_next, 0, reverse=True)
+    total = tl.sum(g_tile, 0)
+    return q_tile, k_tile, bk, L, R, total
+
+
+@triton.jit
+def _diagonal_tiles(k, g, q_tile, bk, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, A_II, P_II):
+    """Add one key block's share of the diagonal tiles ``A_II`` (strictly lower) and ``P_II``.
+
+    Column j at a time, from the last: ``E[i] = exp(g_{j+1} + ... + g_i)`` for ``i >= j`` (1 at
+    ``i = j``, 0 above), updated by one per-step decay, so every pair keeps its own span.
+    """
+    r = tl.arange(0, 16)
+    E = tl.zeros(q_tile.shape, dtype=tl.float32)
+    for step in range(16):
+        j = 15 - step
+        t_j = t0 + I * 16 + j + 0 * cols  # the row's token, as a vector (masks need one)
+        k_j = tl.load(k + key_base + t_j * HK + cols, mask=col_ok & (t_j < T), other=0.0).to(tl.float32)
+        g_next = tl.load(g + key_base + (t_j + 1) * HK + cols, mask=col_ok & (t_j + 1 < T) & (t_j < t0 + I * 16 + 15), other=0.0)
+        E = tl.where(r[:, None] > j, E * tl.exp(g_next.to(tl.float32))[None, :], tl.where(r[:, None] == j, 1.0, 0.0))
+        kE = E * k_j[None, :]
+        a_column = tl.sum(bk * kE, 1)
+        p_column = tl.sum(q_tile * kE, 1)
+        A_II += tl.where((r[None, :] == j) & (r[:, None] > j), a_column[:, None], 0.0)
+        P_II += tl.where((r[None, :] == j) & (r[:, None] >= j), p_column[:, None], 0.0)
+    return A_II, P_II
 
 
 @triton.jit
@@ -157,89 +133,207 @@ def _intra_forward_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    rows = tl.arange(0, 64)
-    t = i_n * 64 + rows
-    row_ok = t < T
-    next_ok = (t + 1 < T) & (rows < 63)
+    r = tl.arange(0, 16)
+    t0 = i_n * 64
     HK = H * K
-    key_rows = i_b * T * HK + i_h * K + t[:, None] * HK  # + column
-    padded = i_bh * N * 64 + i_n * 64 + rows[:, None]  # padded row of each token
-    matrix = (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]
+    key_base = i_b * T * HK + i_h * K  # + t * H * K + column
 
-    A = tl.zeros((64, 64), dtype=tl.float32)
-    P = tl.zeros((64, 64), dtype=tl.float32)
+    A00 = tl.zeros((16, 16), dtype=tl.float32)
+    A11 = tl.zeros((16, 16), dtype=tl.float32)
+    A22 = tl.zeros((16, 16), dtype=tl.float32)
+    A33 = tl.zeros((16, 16), dtype=tl.float32)
+    A10 = tl.zeros((16, 16), dtype=tl.float32)
+    A20 = tl.zeros((16, 16), dtype=tl.float32)
+    A21 = tl.zeros((16, 16), dtype=tl.float32)
+    A30 = tl.zeros((16, 16), dtype=tl.float32)
+    A31 = tl.zeros((16, 16), dtype=tl.float32)
+    A32 = tl.zeros((16, 16), dtype=tl.float32)
+    P00 = tl.zeros((16, 16), dtype=tl.float32)
+    P11 = tl.zeros((16, 16), dtype=tl.float32)
+    P22 = tl.zeros((16, 16), dtype=tl.float32)
+    P33 = tl.zeros((16, 16), dtype=tl.float32)
+    P10 = tl.zeros((16, 16), dtype=tl.float32)
+    P20 = tl.zeros((16, 16), dtype=tl.float32)
+    P21 = tl.zeros((16, 16), dtype=tl.float32)
+    P30 = tl.zeros((16, 16), dtype=tl.float32)
+    P31 = tl.zeros((16, 16), dtype=tl.float32)
+    P32 = tl.zeros((16, 16), dtype=tl.float32)
+
+    # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
+    # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        ok = row_ok[:, None] & col_ok[None, :]
-        q_tile = tl.load(q + key_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        k_tile = tl.load(k + key_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        bk = tl.load(b + key_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * k_tile
-        decay = tl.exp(tl.load(g + key_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32))
-        decay_next = tl.exp(
-            tl.load(g + key_rows + HK + cols[None, :], mask=next_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        )
-        # Pairs i > j in the two halves of an aligned block of 2s rows: the decay from j to i is
-        # (prefix of the upper half up to i) * (suffix of the lower half after j), both <= 1.
-        for level in range(6):  # a runtime loop: one level's tiles live at a time
-            shift = 5 - level  # segments of s = 2**shift rows; shifts and masks, no integer division
-            segment = (rows >> shift)[:, None] + tl.zeros((64, BK), dtype=tl.int32)
-            upper = ((rows >> shift) & 1) == 1
-            last = (rows & ((1 << shift) - 1)) == (1 << shift) - 1
-            prefix = _segment_prefix(decay, segment)
-            suffix = _segment_suffix(tl.where(last[:, None], 1.0, decay_next), segment)
-            left = tl.where(upper[:, None], prefix, 0.0)
-            right = tl.where(upper[:, None], 0.0, k_tile * suffix)
-            pair = ((rows[:, None] >> (shift + 1)) == (rows[None, :] >> (shift + 1))) & upper[:, None] & ~upper[None, :]
-            A += tl.where(pair, tl.dot(bk * left, tl.trans(right), input_precision=DOT), 0.0)
-            P += tl.where(pair, tl.dot(q_tile * left, tl.trans(right), input_precision=DOT), 0.0)
-        P += tl.where(rows[:, None] == rows[None, :], tl.sum(q_tile * k_tile, 1)[:, None], 0.0)
+        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        A00, P00 = _diagonal_tiles(k, g, q0, bk0, key_base, t0, 0, T, HK, cols, col_ok, A00, P00)
+        right0 = k0_ * tl.exp(R0)
 
-        # Chunk-level decays: exp(G_i), exp(G_last - G_j) and gamma = exp(G_last).
-        whole = tl.zeros((64, BK), dtype=tl.int32)
-        to_here = _segment_prefix(decay, whole)
-        to_end = _segment_suffix(tl.where((rows == 63)[:, None], 1.0, decay_next), whole)
-        gamma = tl.reduce(decay, 0, _product)
-        tl.store(gamma_out + (i_bh * N + i_n) * K + cols, gamma, mask=col_ok)
-        out = padded * K + cols[None, :]
-        out_ok = (rows >= 0)[:, None] & col_ok[None, :]
-        G = tl.cumsum(tl.load(g + key_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32), 0)
-        tl.store(G_out + out, G, mask=out_ok)
-        tl.store(qd_out + out, (q_tile * to_here).to(qd_out.dtype.element_ty), mask=out_ok)
-        tl.store(kd_out + out, (k_tile * to_end).to(kd_out.dtype.element_ty), mask=out_ok)
-        tl.store(Wk_out + out, bk * to_here, mask=out_ok)  # b k exp(G), until X is known
+        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        A11, P11 = _diagonal_tiles(k, g, q1, bk1, key_base, t0, 1, T, HK, cols, col_ok, A11, P11)
+        left = tl.exp(L1)
+        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
+        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        decay1 = tl.exp(s1)
+        right0 = right0 * decay1[None, :]
+        right1 = k1 * tl.exp(R1)
 
-    tl.store(P_out + matrix, P)
-    tl.store(X_out + matrix, A)
-    tl.debug_barrier()
-    _invert_chunk_in_place(X_out + (i_bh * N + i_n) * 64 * 64)
-    tl.debug_barrier()
-    X = tl.load(X_out + matrix)
+        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        A22, P22 = _diagonal_tiles(k, g, q2, bk2, key_base, t0, 2, T, HK, cols, col_ok, A22, P22)
+        left = tl.exp(L2)
+        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
+        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
+        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
+        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        decay2 = tl.exp(s2)[None, :]
+        right0 = right0 * decay2
+        right1 = right1 * decay2
+        right2 = k2 * tl.exp(R2)
 
+        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        A33, P33 = _diagonal_tiles(k, g, q3, bk3, key_base, t0, 3, T, HK, cols, col_ok, A33, P33)
+        left = tl.exp(L3)
+        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
+        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
+        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
+        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
+        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
+        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
+
+    # X = (I + A)^{-1}: diagonal tiles by forward substitution, the others by the blocked
+    # formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32 products).
+    X00 = _inverse_unit_lower_16(A00)
+    X11 = _inverse_unit_lower_16(A11)
+    X22 = _inverse_unit_lower_16(A22)
+    X33 = _inverse_unit_lower_16(A33)
+    X10 = -_ieee(X11, _ieee(A10, X00))
+    X21 = -_ieee(X22, _ieee(A21, X11))
+    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
+    X32 = -_ieee(X33, _ieee(A32, X22))
+    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
+    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
+
+    matrix = P_out + (i_bh * N + i_n) * 64 * 64
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    _store_tile(matrix, 0, 0, P00)
+    _store_tile(matrix, 0, 1, zero)
+    _store_tile(matrix, 0, 2, zero)
+    _store_tile(matrix, 0, 3, zero)
+    _store_tile(matrix, 1, 0, P10)
+    _store_tile(matrix, 1, 1, P11)
+    _store_tile(matrix, 1, 2, zero)
+    _store_tile(matrix, 1, 3, zero)
+    _store_tile(matrix, 2, 0, P20)
+    _store_tile(matrix, 2, 1, P21)
+    _store_tile(matrix, 2, 2, P22)
+    _store_tile(matrix, 2, 3, zero)
+    _store_tile(matrix, 3, 0, P30)
+    _store_tile(matrix, 3, 1, P31)
+    _store_tile(matrix, 3, 2, P32)
+    _store_tile(matrix, 3, 3, P33)
+    matrix = X_out + (i_bh * N + i_n) * 64 * 64
+    _store_tile(matrix, 0, 0, X00)
+    _store_tile(matrix, 0, 1, zero)
+    _store_tile(matrix, 0, 2, zero)
+    _store_tile(matrix, 0, 3, zero)
+    _store_tile(matrix, 1, 0, X10)
+    _store_tile(matrix, 1, 1, X11)
+    _store_tile(matrix, 1, 2, zero)
+    _store_tile(matrix, 1, 3, zero)
+    _store_tile(matrix, 2, 0, X20)
+    _store_tile(matrix, 2, 1, X21)
+    _store_tile(matrix, 2, 2, X22)
+    _store_tile(matrix, 2, 3, zero)
+    _store_tile(matrix, 3, 0, X30)
+    _store_tile(matrix, 3, 1, X31)
+    _store_tile(matrix, 3, 2, X32)
+    _store_tile(matrix, 3, 3, X33)
+
+    # Decayed queries and keys, G, gamma and Wk = X (b k e^G), one key block at a time.
+    padded = i_bh * N * 64 + i_n * 64  # first padded row of the chunk
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        out = padded * K + cols[None, :]
-        out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
-        bk_decayed = tl.load(Wk_out + out, mask=out_ok, other=0.0)
-        tl.debug_barrier()  # read before overwritten (other threads store other elements)
-        tl.store(Wk_out + out, tl.dot(X, bk_decayed, input_precision=DOT).to(Wk_out.dtype.element_ty), mask=out_ok)
+        col_ok = cols < K
+        rows_k = (padded + r[:, None]) * K + cols[None, :]
+        out_ok = (r[:, None] >= 0) & col_ok[None, :]
+        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        d1 = tl.exp(s1)
+        d2 = tl.exp(s2)
+        d3 = tl.exp(s3)
+        before1 = tl.exp(s0)
+        before2 = before1 * d1
+        before3 = before2 * d2
+        after2 = d3
+        after1 = d2 * d3
+        after0 = d1 * after1
+        gamma = before3 * d3
+        tl.store(gamma_out + (i_bh * N + i_n) * K + cols, gamma, mask=col_ok)
 
-    value_rows = i_b * T * H * V + i_h * V + t[:, None] * (H * V)
+        e0 = tl.exp(L0)
+        e1 = tl.exp(L1) * before1[None, :]
+        e2 = tl.exp(L2) * before2[None, :]
+        e3 = tl.exp(L3) * before3[None, :]
+        tl.store(G_out + rows_k, L0, mask=out_ok)
+        tl.store(G_out + rows_k + 16 * K, L1 + s0[None, :], mask=out_ok)
+        tl.store(G_out + rows_k + 32 * K, L2 + (s0 + s1)[None, :], mask=out_ok)
+        tl.store(G_out + rows_k + 48 * K, L3 + (s0 + s1 + s2)[None, :], mask=out_ok)
+        dtype = qd_out.dtype.element_ty
+        tl.store(qd_out + rows_k, (q0 * e0).to(dtype), mask=out_ok)
+        tl.store(qd_out + rows_k + 16 * K, (q1 * e1).to(dtype), mask=out_ok)
+        tl.store(qd_out + rows_k + 32 * K, (q2 * e2).to(dtype), mask=out_ok)
+        tl.store(qd_out + rows_k + 48 * K, (q3 * e3).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k, (k0_ * tl.exp(R0) * after0[None, :]).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k + 16 * K, (k1 * tl.exp(R1) * after1[None, :]).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k + 32 * K, (k2 * tl.exp(R2) * after2[None, :]).to(dtype), mask=out_ok)
+        tl.store(kd_out + rows_k + 48 * K, (k3 * tl.exp(R3)).to(dtype), mask=out_ok)
+
+        y0 = bk0 * e0
+        y1 = bk1 * e1
+        y2 = bk2 * e2
+        y3 = bk3 * e3
+        dtype = Wk_out.dtype.element_ty
+        tl.store(Wk_out + rows_k, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
+        W1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
+        tl.store(Wk_out + rows_k + 16 * K, W1.to(dtype), mask=out_ok)
+        W2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
+        W2 += tl.dot(X22, y2, input_precision=DOT)
+        tl.store(Wk_out + rows_k + 32 * K, W2.to(dtype), mask=out_ok)
+        W3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
+        W3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
+        tl.store(Wk_out + rows_k + 48 * K, W3.to(dtype), mask=out_ok)
+
+    # Uw = X (w v), one value block at a time.
+    value_base = i_b * T * H * V + i_h * V
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         col_ok = cols < V
-        ok = row_ok[:, None] & col_ok[None, :]
-        wv = tl.load(w + value_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * tl.load(
-            v + value_rows + cols[None, :], mask=ok, other=0.0
-        ).to(tl.float32)
-        out_ok = (rows >= 0)[:, None] & col_ok[None, :]
-        tl.store(Uw_out + padded * V + cols[None, :], tl.dot(X, wv, input_precision=DOT).to(Uw_out.dtype.element_ty),
-                 mask=out_ok)
-
-
-@triton.jit
-def _product(a, b):
-    return a * b
+        out_ok = (r[:, None] >= 0) & col_ok[None, :]
+        rows_v = (padded + r[:, None]) * V + cols[None, :]
+        t = t0 + r
+        ok = (t < T)[:, None] & col_ok[None, :]
+        offsets = value_base + t[:, None] * (H * V) + cols[None, :]
+        y0 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        ok = (t + 16 < T)[:, None] & col_ok[None, :]
+        offsets += 16 * H * V
+        y1 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        ok = (t + 32 < T)[:, None] & col_ok[None, :]
+        offsets += 16 * H * V
+        y2 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        ok = (t + 48 < T)[:, None] & col_ok[None, :]
+        offsets += 16 * H * V
+        y3 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
+        dtype = Uw_out.dtype.element_ty
+        tl.store(Uw_out + rows_v, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
+        W1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
+        tl.store(Uw_out + rows_v + 16 * V, W1.to(dtype), mask=out_ok)
+        W2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
+        W2 += tl.dot(X22, y2, input_precision=DOT)
+        tl.store(Uw_out + rows_v + 32 * V, W2.to(dtype), mask=out_ok)
+        W3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
+        W3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
+        tl.store(Uw_out + rows_v + 48 * V, W3.to(dtype), mask=out_ok)
 
 
 def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
@@ -250,7 +344,7 @@ def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precisio
     V = v.shape[-1]
     N = P.shape[2]
     BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
     _intra_forward_kernel[(N, B * H)](
         q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
