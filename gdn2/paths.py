@@ -55,6 +55,9 @@ class KernelBackend:
 
     ``automatic_reason(q)``: a reason to leave the kernel out of automatic selection only, while
     it still runs when asked for (None: no such reason).
+
+    ``describe(q, k, v, g, b, w, initial_state, chunk_size)``: which of its kernels the package
+    would run and why, added to the reason of a kernel choice (None: nothing to add).
     """
 
     name: str
@@ -62,6 +65,7 @@ class KernelBackend:
     call: Callable[..., tuple]
     failures: tuple[type[BaseException], ...]
     automatic_reason: Callable[..., str | None] = lambda q: None
+    describe: Callable[..., str | None] = lambda *arguments: None
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,14 @@ def load_kernel(framework: Framework) -> tuple[KernelBackend | None, str | None]
 def which_path(framework: Framework, q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path: str | None = None) -> PathChoice:
     """The path ``run`` takes for these arguments, and why."""
     backend, problem = load_kernel(framework)
-    automatic = None
+    automatic, name = None, framework.kernel_name
     if backend is not None:
         problem = backend.unsupported_reason(q, k, v, g, b, w, initial_state, chunk_size)
         automatic = backend.automatic_reason(q)
-    return choose(path, problem, framework.kernel_name, automatic)
+        if problem is None:
+            detail = backend.describe(q, k, v, g, b, w, initial_state, chunk_size)
+            name = name if detail is None else f"{name}: {detail}"
+    return choose(path, problem, name, automatic)
 
 
 def run(framework: Framework, q, k, v, g, b, w, *, scale, initial_state, output_final_state: bool, chunk_size: int,

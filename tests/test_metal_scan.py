@@ -110,17 +110,17 @@ def test_every_scan_barrier_is_needed(seed):
     d_final = mx.array(case["d_final"].astype(np.float32))
     geometry = scan.ScanGeometry(2, 2)
 
-    def forward(text=source.SCAN_FORWARD_SOURCE, name="gdn2_scan_forward"):
+    def forward(text=source.FORWARD_SOURCE, name="gdn2_scan_forward"):
         return scan.forward_launch(*inputs, a["initial_state"], 0.125, 16, True, geometry, text, name)
 
     checkpoints = harness.harness_launcher(forward())[2]
 
-    def backward(text=source.SCAN_BACKWARD_SOURCE, name="gdn2_scan_backward"):
+    def backward(text=source.BACKWARD_SOURCE, name="gdn2_scan_backward"):
         return scan.backward_launch(*inputs, d_o, d_final, checkpoints, 0.125, 16, geometry, text, name)
 
     variants = []
-    for kernel, make, text in (("forward", forward, source.SCAN_FORWARD_SOURCE),
-                               ("backward", backward, source.SCAN_BACKWARD_SOURCE)):
+    for kernel, make, text in (("forward", forward, source.FORWARD_SOURCE),
+                               ("backward", backward, source.BACKWARD_SOURCE)):
         parts = text.split(BARRIER)
         for index in range(len(parts) - 1):
             broken = BARRIER.join(parts[: index + 1]) + "/* barrier removed */" + BARRIER.join(parts[index + 1:])

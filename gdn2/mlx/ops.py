@@ -20,7 +20,7 @@ from .xp import mlx_ops
 __all__ = ["chunk_gdn2", "recurrent_gdn2", "which_path"]
 
 # Steps between the states the Metal scan keeps for its backward (its memory/recompute trade-off;
-# not the chunk_size of the chunked form).
+# not the chunk_size of the chunked form; the chunked Metal kernels keep one per chunk of 32).
 CHECKPOINT_INTERVAL = 64
 
 
@@ -71,6 +71,7 @@ def _metal_backend() -> KernelBackend:
         unsupported_reason=metal.unsupported_reason,
         call=partial(metal.metal_gdn2, checkpoint_interval=CHECKPOINT_INTERVAL),
         failures=metal.KERNEL_FAILURES,
+        describe=partial(metal.describe, checkpoint_interval=CHECKPOINT_INTERVAL),
     )
 
 
@@ -129,9 +130,9 @@ def recurrent_gdn2(
 ) -> tuple[mx.array, mx.array | None]:
     """Token-by-token GDN-2 (same arguments and shapes as ``chunk_gdn2``; ``chunk_size`` unused).
 
-    With ``T == 1`` and a state this is the decode step. The Metal kernel is itself a per-step scan:
-    where it can run (an Apple GPU), this runs it; elsewhere, the recurrence in MLX ops under MLX
-    autodiff.
+    With ``T == 1`` and a state this is the decode step. Where the Metal kernels can run (an Apple
+    GPU), this runs them (the per-step scan at ``T == 1``); elsewhere, the recurrence in MLX ops
+    under MLX autodiff.
     """
     return paths.run_recurrent(
         MLX, q, k, v, g, b, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,

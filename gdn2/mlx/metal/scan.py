@@ -4,7 +4,7 @@ The scan runs one threadgroup per (batch * head, value tile) forward: T sequenti
 simdgroup per state column, two ``simd_sum`` per column and step. It is the decode kernel (T == 1)
 and the path for short inputs where the chunked kernels' fixed cost per chunk does not pay.
 
-Backward (``SCAN_BACKWARD_SOURCE``): one threadgroup per batch * head covering every value column,
+Backward (``BACKWARD_SOURCE``): one threadgroup per batch * head covering every value column,
 so the key-side gradients are summed over columns inside the kernel (no per-tile partial sums in
 device memory). Per chunk of C steps, last first, and per value tile: replay from the checkpoint
 into a per-group scratch, walk back.
@@ -40,12 +40,12 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .scan_source import (
-    SCAN_BACKWARD_INPUTS,
-    SCAN_BACKWARD_OUTPUTS,
-    SCAN_BACKWARD_SOURCE,
-    SCAN_FORWARD_INPUTS,
-    SCAN_FORWARD_OUTPUTS,
-    SCAN_FORWARD_SOURCE,
+    BACKWARD_INPUTS,
+    BACKWARD_OUTPUTS,
+    BACKWARD_SOURCE,
+    FORWARD_INPUTS,
+    FORWARD_OUTPUTS,
+    FORWARD_SOURCE,
 )
 
 __all__ = ["ScanGeometry", "scan_gdn2", "backward_bytes", "forward_threadgroup_bytes", "backward_threadgroup_bytes"]
@@ -127,7 +127,7 @@ def _template(dtype, K: int, V: int, geometry: ScanGeometry, interval: int, bloc
 
 
 def forward_launch(q, k, v, g, b, w, state0, scale: float, interval: int, save: bool,
-                   geometry: ScanGeometry | None = None, source: str = SCAN_FORWARD_SOURCE,
+                   geometry: ScanGeometry | None = None, source: str = FORWARD_SOURCE,
                    name: str = "gdn2_scan_forward"):
     """o [B, T, H, V] (q's dtype), the final state and (``save``) the checkpoints
     [B, H, ceil(T / C), V, 32 ceil(K / 32)] (float32, lane index fastest)."""
@@ -140,8 +140,8 @@ def forward_launch(q, k, v, g, b, w, state0, scale: float, interval: int, save: 
     return _package().KernelLaunch(
         name=name,
         source=source,
-        input_names=SCAN_FORWARD_INPUTS,
-        output_names=SCAN_FORWARD_OUTPUTS,
+        input_names=FORWARD_INPUTS,
+        output_names=FORWARD_OUTPUTS,
         inputs=[q, k, v, g, b, w, state0, mx.array([T, B, tiles, H], dtype=mx.int32),
                 mx.array([scale], dtype=mx.float32)],
         template=_template(q.dtype, K, V, geometry, interval, forward_block(K), save),
@@ -149,12 +149,12 @@ def forward_launch(q, k, v, g, b, w, state0, scale: float, interval: int, save: 
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, T, H, V), (B, H, K, V), checkpoints],
         output_dtypes=[q.dtype, mx.float32, mx.float32],
-        kernel=_metal_kernel(name, source, SCAN_FORWARD_INPUTS, SCAN_FORWARD_OUTPUTS),
+        kernel=_metal_kernel(name, source, FORWARD_INPUTS, FORWARD_OUTPUTS),
     )
 
 
 def backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale: float, interval: int,
-                    geometry: ScanGeometry | None = None, source: str = SCAN_BACKWARD_SOURCE,
+                    geometry: ScanGeometry | None = None, source: str = BACKWARD_SOURCE,
                     name: str = "gdn2_scan_backward"):
     """Every gradient (q's dtype; d_state0 float32) and three scratch buffers (float32)."""
     B, T, H, K = q.shape
@@ -166,8 +166,8 @@ def backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale: float, i
     return _package().KernelLaunch(
         name=name,
         source=source,
-        input_names=SCAN_BACKWARD_INPUTS,
-        output_names=SCAN_BACKWARD_OUTPUTS,
+        input_names=BACKWARD_INPUTS,
+        output_names=BACKWARD_OUTPUTS,
         inputs=[q, k, v, g, b, w, d_o, d_final, checkpoints, mx.array([T, B, tiles, H], dtype=mx.int32),
                 mx.array([scale], dtype=mx.float32)],
         template=_template(q.dtype, K, V, geometry, interval, 1, False),
@@ -177,7 +177,7 @@ def backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale: float, i
                        (B, H, K, V), (B * H * interval * geometry.tile * KP,), (B * H * V * KP,),
                        (B * H * interval * 4 * K,)],
         output_dtypes=[q.dtype] * 6 + [mx.float32] * 4,
-        kernel=_metal_kernel(name, source, SCAN_BACKWARD_INPUTS, SCAN_BACKWARD_OUTPUTS),
+        kernel=_metal_kernel(name, source, BACKWARD_INPUTS, BACKWARD_OUTPUTS),
     )
 
 

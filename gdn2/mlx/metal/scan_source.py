@@ -1,6 +1,6 @@
-"""Metal source of the GDN-2 kernels (bodies for ``mx.fast.metal_kernel``).
+"""Metal source of the GDN-2 scan kernels (bodies for ``mx.fast.metal_kernel``).
 
-Both kernels run one threadgroup per (batch*head, value tile). A threadgroup is ``NS`` simdgroups
+The forward runs one threadgroup per (batch*head, value tile). A threadgroup is ``NS`` simdgroups
 of 32 lanes; simdgroup ``s`` owns ``CPS`` value columns of the tile, and lane ``l`` of it owns the
 key channels ``l, l + 32, ...`` (``KPL = ceil(K / 32)`` of them), so a state column ``S[:, j]`` of
 ``K`` floats lives in the registers of one simdgroup and the sums over ``K`` are ``simd_sum``.
@@ -8,9 +8,15 @@ The key-side vectors of a step (q, k, b*k, exp(g)) are the same for every value 
 threadgroup stages them once in threadgroup memory (between barriers) and every simdgroup reads
 them from there.
 
-Template parameters: ``InT`` input dtype; ``H, K, V`` sizes; ``KPL`` key channels per lane;
-``NS`` simdgroups per group; ``CPS`` value columns per simdgroup; ``C`` checkpoint interval;
-``L`` steps staged per block (forward); ``SAVE`` write checkpoints. Runtime: ``meta = [T, B, value tiles]``,
+The backward runs one threadgroup per batch * head over every value tile (one after another), so
+the key-side gradients (sums over value columns) are summed inside the kernel: lanes over their
+columns, the group over its simdgroups in threadgroup memory, the tiles in a per-chunk buffer.
+Checkpoints, the replay scratch and the saved dS are laid out with the lane index fastest
+(``[..., column, i, lane]`` for key channel ``lane + 32 i``): every simd access is one 128-byte line.
+
+Template parameters: ``InT`` input dtype; ``K, V`` sizes; ``KPL`` key channels per lane; ``NS``
+simdgroups per group; ``CPS`` value columns per simdgroup; ``C`` checkpoint interval; ``L`` steps
+staged per block (forward); ``SAVE`` write checkpoints. Runtime: ``meta = [T, B, value tiles, H]``,
 ``scale[0]``.
 
 The kernels use only the Metal subset that ``tests/metal_harness`` supports (see its README):
@@ -30,6 +36,7 @@ FORWARD_SOURCE = """
     const uint tid = thread_position_in_threadgroup.x;
     const uint bh = threadgroup_position_in_grid.z;
     const uint tile = threadgroup_position_in_grid.y;
+    const uint H = uint(meta[3]);
     const uint b_idx = bh / H;
     const uint h_idx = bh % H;
     const uint steps = uint(meta[0]);
@@ -80,7 +87,7 @@ FORWARD_SOURCE = """
                     for (uint c = 0; c < CPS; ++c) {
                         const uint j = col0 + c;
                         if (kk < K && j < V) {
-                            checkpoints[((ulong(bh) * n_checkpoints + t / C) * K + kk) * V + j] = S[i][c];
+                            checkpoints[((ulong(bh) * n_checkpoints + t / C) * V + j) * (KPL * 32) + kk] = S[i][c];
                         }
                     }
                 }
@@ -126,208 +133,9 @@ FORWARD_SOURCE = """
 """
 
 BACKWARD_INPUTS = ("q", "k", "v", "g", "b", "w", "d_o", "d_final", "checkpoints", "meta", "scale")
-BACKWARD_OUTPUTS = ("key_partials", "d_v", "d_w", "d_state0", "scratch")
+BACKWARD_OUTPUTS = ("d_q", "d_k", "d_v", "d_g", "d_b", "d_w", "d_state0", "scratch", "saved_dS", "key_sums")
 
 BACKWARD_SOURCE = """
-    // Reverse scan. Per chunk of C steps (last chunk first): replay the forward from the chunk's
-    // checkpoint, writing each S_{t-1} column to this group's scratch, then walk the chunk
-    // backwards applying the adjoint of each step. Key-side gradients are sums over value
-    // columns: lanes accumulate their columns, the group reduces over simdgroups in threadgroup
-    // memory, and the value tiles are summed by the caller (key_partials [4, tiles, B, T, H, K]:
-    // dq, sum_j dS*u, dg, d(b*k)).
-    const uint lane = thread_index_in_simdgroup;
-    const uint sg = simdgroup_index_in_threadgroup;
-    const uint tid = thread_position_in_threadgroup.x;
-    const uint bh = threadgroup_position_in_grid.z;
-    const uint tile = threadgroup_position_in_grid.y;
-    const uint tiles = uint(meta[2]);
-    const uint b_idx = bh / H;
-    const uint h_idx = bh % H;
-    const uint steps = uint(meta[0]);
-    const uint batch = uint(meta[1]);
-    const uint n_checkpoints = (steps + C - 1) / C;
-    const float scale_value = scale[0];
-    const uint col0 = tile * (NS * CPS) + sg * CPS;
-
-    threadgroup float staged_q[K];
-    threadgroup float staged_k[K];
-    threadgroup float staged_bk[K];
-    threadgroup float staged_a[K];
-    threadgroup float reduce_buffer[4 * NS * K];
-
-    float dS[KPL][CPS];
-    for (uint i = 0; i < KPL; ++i) {
-        const uint kk = lane + 32 * i;
-        for (uint c = 0; c < CPS; ++c) {
-            const uint j = col0 + c;
-            dS[i][c] = (kk < K && j < V) ? d_final[(ulong(bh) * K + kk) * V + j] : 0.0f;
-        }
-    }
-
-    for (uint n = n_checkpoints; n-- > 0;) {
-        const uint t_begin = n * C;
-        const uint t_end = metal::min(steps, t_begin + C);
-
-        // Replay the chunk forward from its checkpoint.
-        float S[KPL][CPS];
-        for (uint i = 0; i < KPL; ++i) {
-            const uint kk = lane + 32 * i;
-            for (uint c = 0; c < CPS; ++c) {
-                const uint j = col0 + c;
-                S[i][c] = (kk < K && j < V) ? checkpoints[((ulong(bh) * n_checkpoints + n) * K + kk) * V + j] : 0.0f;
-            }
-        }
-        for (uint t = t_begin; t < t_end; ++t) {
-            for (uint kk = tid; kk < K; kk += NS * 32) {
-                const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
-                const float kv = float(k[off]);
-                staged_k[kk] = kv;
-                staged_bk[kk] = float(b[off]) * kv;
-                staged_a[kk] = metal::exp(float(g[off]));
-            }
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-            for (uint c = 0; c < CPS; ++c) {
-                const uint j = col0 + c;
-                const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
-                const float wv = (j < V) ? float(w[off_v]) * float(v[off_v]) : 0.0f;
-                float erased_part = 0.0f;
-                for (uint i = 0; i < KPL; ++i) {
-                    const uint kk = lane + 32 * i;
-                    if (kk < K && j < V) {
-                        scratch[((ulong(bh) * C + (t - t_begin)) * K + kk) * V + j] = S[i][c];
-                        erased_part += staged_bk[kk] * staged_a[kk] * S[i][c];
-                    }
-                }
-                const float u = wv - simd_sum(erased_part);
-                for (uint i = 0; i < KPL; ++i) {
-                    const uint kk = lane + 32 * i;
-                    if (kk < K) {
-                        S[i][c] = staged_a[kk] * S[i][c] + staged_k[kk] * u;
-                    }
-                }
-            }
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-        }
-
-        // Walk the chunk backwards.
-        for (uint t = t_end; t-- > t_begin;) {
-            for (uint kk = tid; kk < K; kk += NS * 32) {
-                const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
-                const float kv = float(k[off]);
-                staged_q[kk] = float(q[off]);
-                staged_k[kk] = kv;
-                staged_bk[kk] = float(b[off]) * kv;
-                staged_a[kk] = metal::exp(float(g[off]));
-            }
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-
-            float acc_q[KPL], acc_ku[KPL], acc_g[KPL], acc_bk[KPL];
-            for (uint i = 0; i < KPL; ++i) {
-                acc_q[i] = 0.0f;
-                acc_ku[i] = 0.0f;
-                acc_g[i] = 0.0f;
-                acc_bk[i] = 0.0f;
-            }
-            for (uint c = 0; c < CPS; ++c) {
-                const uint j = col0 + c;
-                const bool column = j < V;
-                const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
-                const float vv = column ? float(v[off_v]) : 0.0f;
-                const float wv = column ? float(w[off_v]) : 0.0f;
-                const float dov = column ? scale_value * float(d_o[off_v]) : 0.0f;
-                float D[KPL];
-                float erased_part = 0.0f;
-                for (uint i = 0; i < KPL; ++i) {
-                    const uint kk = lane + 32 * i;
-                    const float prev = (kk < K && column) ? scratch[((ulong(bh) * C + (t - t_begin)) * K + kk) * V + j] : 0.0f;
-                    D[i] = (kk < K) ? staged_a[kk] * prev : 0.0f;
-                    erased_part += (kk < K) ? staged_bk[kk] * D[i] : 0.0f;
-                }
-                const float u = wv * vv - simd_sum(erased_part);
-                float du_part = 0.0f;
-                for (uint i = 0; i < KPL; ++i) {
-                    const uint kk = lane + 32 * i;
-                    if (kk < K) {
-                        const float state_t = D[i] + staged_k[kk] * u;
-                        acc_q[i] += state_t * dov;
-                        dS[i][c] += staged_q[kk] * dov;
-                        du_part += staged_k[kk] * dS[i][c];
-                    }
-                }
-                const float du = simd_sum(du_part);
-                for (uint i = 0; i < KPL; ++i) {
-                    const uint kk = lane + 32 * i;
-                    if (kk < K) {
-                        acc_ku[i] += dS[i][c] * u;
-                        acc_bk[i] -= D[i] * du;
-                        const float dD = dS[i][c] - staged_bk[kk] * du;
-                        acc_g[i] += dD * D[i];
-                        dS[i][c] = dD * staged_a[kk];
-                    }
-                }
-                if (lane == 0 && column) {
-                    d_v[off_v] = du * wv;
-                    d_w[off_v] = du * vv;
-                }
-            }
-            for (uint i = 0; i < KPL; ++i) {
-                const uint kk = lane + 32 * i;
-                if (kk < K) {
-                    reduce_buffer[(0 * NS + sg) * K + kk] = acc_q[i];
-                    reduce_buffer[(1 * NS + sg) * K + kk] = acc_ku[i];
-                    reduce_buffer[(2 * NS + sg) * K + kk] = acc_g[i];
-                    reduce_buffer[(3 * NS + sg) * K + kk] = acc_bk[i];
-                }
-            }
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-            // Sum over simdgroups. The next writes to reduce_buffer come after the next step's
-            // first barrier, which every thread reaches only after finishing this loop.
-            for (uint e = tid; e < 4 * K; e += NS * 32) {
-                const uint part = e / K;
-                const uint kk = e % K;
-                float total = 0.0f;
-                for (uint s = 0; s < NS; ++s) {
-                    total += reduce_buffer[(part * NS + s) * K + kk];
-                }
-                key_partials[((((ulong(part) * tiles + tile) * batch + b_idx) * steps + t) * H + h_idx) * K + kk] = total;
-            }
-        }
-    }
-
-    for (uint i = 0; i < KPL; ++i) {
-        const uint kk = lane + 32 * i;
-        for (uint c = 0; c < CPS; ++c) {
-            const uint j = col0 + c;
-            if (kk < K && j < V) {
-                d_state0[(ulong(bh) * K + kk) * V + j] = dS[i][c];
-            }
-        }
-    }
-"""
-
-
-# ---- the scan with the key-side reduction inside the backward ---------------------------------
-# Same per-column scan; H is a runtime value (meta[3]) and the checkpoint interval C a template
-# value independent of T; checkpoints, the replay scratch and the saved dS are laid out with the
-# lane index fastest ([..., column, i, lane] for key channel lane + 32 i), so every simd access is
-# one contiguous 128-byte line.
-
-SCAN_FORWARD_INPUTS = FORWARD_INPUTS
-SCAN_FORWARD_OUTPUTS = FORWARD_OUTPUTS
-
-SCAN_FORWARD_SOURCE = FORWARD_SOURCE.replace(
-    "const uint b_idx = bh / H;\n    const uint h_idx = bh % H;",
-    "const uint H = uint(meta[3]);\n    const uint b_idx = bh / H;\n    const uint h_idx = bh % H;",
-).replace(
-    "checkpoints[((ulong(bh) * n_checkpoints + t / C) * K + kk) * V + j] = S[i][c];",
-    "checkpoints[((ulong(bh) * n_checkpoints + t / C) * V + j) * (KPL * 32) + kk] = S[i][c];",
-)
-assert SCAN_FORWARD_SOURCE.count("uint(meta[3])") == 1 and "* (KPL * 32) + kk]" in SCAN_FORWARD_SOURCE
-
-SCAN_BACKWARD_INPUTS = ("q", "k", "v", "g", "b", "w", "d_o", "d_final", "checkpoints", "meta", "scale")
-SCAN_BACKWARD_OUTPUTS = ("d_q", "d_k", "d_v", "d_g", "d_b", "d_w", "d_state0", "scratch", "saved_dS", "key_sums")
-
-SCAN_BACKWARD_SOURCE = """
     // Reverse scan, one threadgroup per batch * head covering every value column: per chunk of C
     // steps (last first) and per value tile, replay the chunk from its checkpoint into this
     // group's scratch, then walk it backwards applying the adjoint of each step. dS of a tile is
