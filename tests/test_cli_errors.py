@@ -60,13 +60,12 @@ def _usage_line(command):
 
 def test_prog_is_how_it_was_run():
     assert _usage_line([sys.executable, "-m", "gdn2", "--help"]).startswith("usage: python -m gdn2 [-h]")
+    # what the console script does: import main and call it
+    command = [sys.executable, "-c", "import sys; from gdn2.__main__ import main; sys.argv[0] = 'gdn2'; sys.exit(main())"]
+    assert _usage_line([*command, "--help"]).startswith("usage: gdn2 [-h]")
     script = shutil.which("gdn2", path=os.path.dirname(sys.executable))
-    if script is not None:  # the installed console script
-        command = [script, "--help"]
-    else:  # what the console script does: import main and call it
-        command = [sys.executable, "-c", "import sys; from gdn2.__main__ import main; sys.argv[0] = 'gdn2'; sys.exit(main())",
-                   "--help"]
-    assert _usage_line(command).startswith("usage: gdn2 [-h]")
+    if script is not None:  # the installed console script itself
+        assert _usage_line([script, "--help"]).startswith("usage: gdn2 [-h]")
 
 
 @pytest.mark.parametrize("argv, message", [
