@@ -2,6 +2,8 @@
 
     python bench/ops.py --B 1 --T 2048 --H 4 --K 64 --V 64 --dtype float32
     python bench/ops.py --framework mlx            # every MLX path on this machine (a Mac: Metal)
+    python bench/ops.py --framework mlx --paths kernel --B 8 --T 4096 --H 16 --K 128 --V 128 \
+        --dtype bfloat16 --metal-kernel chunked     # one Metal kernel family (scan, chunked, auto)
 
 Prints a table (median ms, tokens/s, peak memory where the framework reports it) and writes the
 rows as JSON (``--json``, default ``bench/out/ops.json``; ``bench/out/`` is not tracked). Each path is timed on the device the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from gdn2.spec import INPUT_NAMES, PATHS, random_inputs
@@ -91,11 +94,31 @@ def bench_mlx(inputs, args, path):
         mx.eval(grad(*arrays, state))
 
     row = dict(device=str(mx.default_device()), reason=choice.reason)
+    if path == "kernel":
+        row.update(metal_counted(args, dtype))
     for name, run in (("forward", forward), ("forward_backward", forward_backward)):
         mx.reset_peak_memory()
         row[f"{name}_ms"] = median_ms(run, args.repeats, args.warmup)
         row[f"{name}_peak_gib"] = mx.get_peak_memory() / 2**30
     return row
+
+
+def metal_counted(args, dtype) -> dict:
+    """The Metal kernels this shape runs (``GDN2_METAL_KERNEL`` forces them) with their counted,
+    ESTIMATED times on an M3 Max and the backward's transient buffers (``gdn2.mlx.metal.dispatch``,
+    the functions the tests check), to set beside the measurement."""
+    from gdn2.mlx.metal import dispatch
+
+    plan = dispatch.plan(args.B, args.T, args.H, args.K, args.V, dtype)
+    counts = dispatch.counted(args.B, args.T, args.H, args.K, args.V, dtype)
+    forward, backward = counts[plan.forward], counts[plan.backward]
+    return dict(
+        metal_forward=plan.forward,
+        metal_backward=plan.backward,
+        estimated_forward_ms=forward["forward_seconds"] * 1e3,
+        estimated_forward_backward_ms=(forward["forward_seconds"] + backward["backward_seconds"]) * 1e3,
+        counted_backward_buffers_gib=backward["backward_bytes"] / 2**30,
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -110,7 +133,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", default=str(OUT / "ops.json"))
+    parser.add_argument("--metal-kernel", choices=["auto", "scan", "chunked"], default="auto",
+                        help="MLX kernel path: let the counted cost choose, or force the scan or the chunked kernels")
     args = parser.parse_args(argv)
+    if args.metal_kernel != "auto":
+        os.environ["GDN2_METAL_KERNEL"] = args.metal_kernel
 
     inputs = random_inputs(args.B, args.T, args.H, args.K, args.V, seed=0)
     frameworks = ["torch", "mlx"] if args.framework == "all" else [args.framework]
@@ -141,6 +168,10 @@ def main(argv=None) -> list[dict]:
             f"{tokens / row['forward_ms'] * 1e3:>11.0f} {row['forward_backward_ms']:>11.2f} "
             f"{tokens / row['forward_backward_ms'] * 1e3:>14.0f} {'' if peak is None else f'{peak:.3f}':>9}"
         )
+        if "metal_forward" in row:
+            print(f"{'':<9} Metal: {row['metal_forward']} forward, {row['metal_backward']} backward; ESTIMATED on an "
+                  f"M3 Max {row['estimated_forward_ms']:.2f} / {row['estimated_forward_backward_ms']:.2f} ms, counted "
+                  f"backward buffers {row['counted_backward_buffers_gib']:.2f} GiB")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2))
     print(f"\nwrote {args.json}")

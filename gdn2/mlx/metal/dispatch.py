@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from . import chunked, cost, scan
 
-__all__ = ["KernelPlan", "plan", "run", "probe"]
+__all__ = ["KernelPlan", "plan", "counted", "run", "probe"]
 
 KINDS = ("scan", "chunked")
 
@@ -56,24 +56,36 @@ def plan(B: int, T: int, H: int, K: int, V: int, dtype, interval: int = 64, budg
         return KernelPlan(forced, forced, "requested by GDN2_METAL_KERNEL")
     if T == 1:
         return KernelPlan("scan", "scan", "decode, T == 1")
-    itemsize = 4 if dtype == mx.float32 else 2
-    times = {}
-    for kind, costs in (("scan", cost.scan_cost(B, T, H, K, V, itemsize, interval=interval)),
-                        ("chunked", cost.chunked_cost(B, T, H, K, V, itemsize))):
-        forward_launches = 1 if kind == "scan" else 2
-        times[kind] = (cost.estimate_seconds(costs[:forward_launches]), cost.estimate_seconds(costs[forward_launches:]))
-    forward = min(KINDS, key=lambda kind: times[kind][0])
-    backward = min(KINDS, key=lambda kind: times[kind][1])
-    reason = ("estimated on an M3 Max: forward {:.3g} ms scan, {:.3g} ms chunked; backward {:.3g} ms scan, "
-              "{:.3g} ms chunked").format(times["scan"][0] * 1e3, times["chunked"][0] * 1e3,
-                                          times["scan"][1] * 1e3, times["chunked"][1] * 1e3)
+    counts = counted(B, T, H, K, V, dtype, interval)
+    forward = min(KINDS, key=lambda kind: counts[kind]["forward_seconds"])
+    backward = min(KINDS, key=lambda kind: counts[kind]["backward_seconds"])
+    reason = "estimated on an M3 Max: forward {:.3g} ms scan, {:.3g} ms chunked; backward {:.3g} ms scan, " \
+             "{:.3g} ms chunked".format(*(counts[kind][f"{part}_seconds"] * 1e3
+                                          for part in ("forward", "backward") for kind in KINDS))
     budget = memory_budget() if budget is None else budget
     if backward == "chunked" and budget is not None:
-        needed = chunked.training_bytes(B, T, H, K, V)
-        if needed > budget >= scan.backward_bytes(B, T, H, K, V, interval, itemsize):
+        needed = counts["chunked"]["backward_bytes"]
+        if needed > budget >= counts["scan"]["backward_bytes"]:
             backward = "scan"
             reason += f"; the chunked backward's {needed / 2**30:.1f} GiB of buffers exceed {budget / 2**30:.1f} GiB"
     return KernelPlan(forward, backward, reason)
+
+
+def counted(B: int, T: int, H: int, K: int, V: int, dtype, interval: int = 64) -> dict:
+    """Per kernel family (``scan``, ``chunked``): the ESTIMATED forward and backward (the vjp)
+    seconds on an M3 Max (``cost.py``) and the backward's transient device bytes (besides inputs
+    and gradients). ``bench/ops.py`` prints these next to its measurements."""
+    itemsize = 4 if dtype == mx.float32 else 2
+    scan_costs = cost.scan_cost(B, T, H, K, V, itemsize, interval=interval)
+    chunked_costs = cost.chunked_cost(B, T, H, K, V, itemsize)
+    return dict(
+        scan=dict(forward_seconds=cost.estimate_seconds(scan_costs[:1]),
+                  backward_seconds=cost.estimate_seconds(scan_costs[1:]),
+                  backward_bytes=scan.backward_bytes(B, T, H, K, V, interval, itemsize)),
+        chunked=dict(forward_seconds=cost.estimate_seconds(chunked_costs[:2]),
+                     backward_seconds=cost.estimate_seconds(chunked_costs[2:]),
+                     backward_bytes=chunked.training_bytes(B, T, H, K, V)),
+    )
 
 
 def _package():
