@@ -36,6 +36,9 @@ Template parameters: ``InT`` input dtype; ``K`` key dim; ``C`` chunk (16 or 32);
 per threadgroup; ``BK`` key channels staged per block. Runtime (``meta``): T, H, number of chunks,
 V, and (forward) whether to save states and U. The kernels use only the Metal subset of
 ``tests/metal_harness`` (see its README).
+
+Counted FLOP and bytes, threadgroup memory, registers per thread and the estimated M-series times
+of each kernel (estimates: nothing was timed on a Mac) are in ``chunked.py``'s docstring.
 """
 
 from __future__ import annotations
