@@ -15,9 +15,26 @@ never ``exp(G_i) * exp(-G_j)``, so nothing overflows for any ``g <= 0``; and eac
 directly rather than as the difference of two long cumulative sums, which in float32 would lose
 the low digits of the exponent. ``PairDecay`` keeps these pairwise decays in blocks.
 
+Hard resets (``g = -inf``, exp gives 0) are legal: masks are applied by ``where``, never by
+multiplication (``-inf * 0`` is NaN), and no exponent is a difference (``inf - inf``).
+
+Causality holds for bad values too (``screen``): a non-finite k, v, g (NaN or +inf), b or w at step
+t must not reach the outputs before t, but a dense triangular product lets one NaN row reach every
+row (``0 * NaN``). So each chunk runs on sanitized inputs (non-finite values replaced by 0), and
+the outputs from the first bad step on (per value column for v and w, all columns for k, g, b),
+the state leaving that chunk, and through it everything after in the same sequence, are set to
+NaN explicitly: outputs before t are exactly those of the clean run, as on the reference path. A
+non-finite input makes the loss NaN; the backward then returns NaN for every gradient of that
+sequence and head (where the reference path's autodiff also gives NaN for most of them).
+
+The chunk size is capped at the longest sequence (``effective_chunk_size``): a chunk longer than
+the input would only add zero padding, and the in-chunk terms grow with the chunk.
+
 The backward is the exact adjoint. It keeps only the inputs and the chunk-boundary states from the
 forward and recomputes the in-chunk terms. Gated bilinear forms ``M = pair(X, Y)`` have the
 adjoint ``dX = left(dM, Y)``, ``dY = right(dM, X)`` and contribute ``X * dX - Y * dY`` to ``dG``.
+It is written in differentiable framework ops, so differentiating it (with the chunk states
+recomputed from the inputs) gives exact second-order gradients.
 
 Internal layout: ``[B, H, N, C, D]`` (N chunks of C steps); packed sequences
 (``gdn2.packing``) start a chunk each.
@@ -25,10 +42,18 @@ Internal layout: ``[B, H, N, C, D]`` (N chunks of C steps); packed sequences
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .packing import ChunkLayout, SequenceOffsets
 from .xp import Ops
+
+
+def effective_chunk_size(chunk_size: int, T: int, sequences: SequenceOffsets | None = None) -> int:
+    """``chunk_size`` capped at the longest sequence (T, or the longest packed sequence): a chunk
+    longer than the input only adds zero padding, and memory grows with the chunk."""
+    longest = T if sequences is None else max(sequences.lengths)
+    return max(1, min(int(chunk_size), longest))
 
 
 def to_chunks(ops: Ops, x, chunk_size: int, layout: ChunkLayout | None = None):
@@ -77,9 +102,15 @@ def decay_pairs(ops: Ops, g):
     would lose the exponent's low digits (relative errors near 1e-4 in E).
     """
     C = g.shape[-2]
-    strict = ops.tril(C, True, g)[:, :, None]
-    exponent = ops.cumsum(g[..., :, None, :] * strict, axis=-3)
-    return ops.exp(exponent) * ops.tril(C, False, g)[:, :, None]
+    strict = ops.lower(C, True, g)[:, :, None]
+    exponent = ops.cumsum(ops.where(strict, g[..., :, None, :], 0.0), axis=-3)
+    return ops.where(ops.lower(C, False, g)[:, :, None], ops.exp(exponent), 0.0)
+
+
+def sum_after(ops: Ops, g):
+    """``sum_{s > i} g_s`` along axis -2 of ``[..., C, K]``, each span summed directly."""
+    tail = ops.cumsum(g, axis=-2, reverse=True)[..., 1:, :]
+    return ops.concat([tail, ops.zeros(tuple(g.shape[:-2]) + (1, g.shape[-1]), like=g)], axis=-2)
 
 
 def _blocks(x, blocks: int):
@@ -109,14 +140,13 @@ class PairDecay:
         n = self.blocks
         g = _blocks(g, n)
         self.row_decay = ops.exp(ops.cumsum(g, axis=-2))  # exp(L_i)
-        after = ops.concat([ops.cumsum(g, axis=-2, reverse=True)[..., 1:, :], 0 * g[..., :1, :]], axis=-2)
-        self.col_decay = ops.exp(after)  # exp(R_j)
+        self.col_decay = ops.exp(sum_after(ops, g))  # exp(R_j)
         totals = ops.sum(g, axis=-2)  # [..., n, K]
-        strict = ops.tril(n, True, g)
-        inside = strict[:, None, :, None] * mT(strict)[None, :, :, None]  # [I, J, M, 1]: J < M < I
-        between = ops.sum(inside * totals[..., None, None, :, :], axis=-2)  # [..., I, J, K]
-        self.block_decay = ops.exp(between) * strict[:, :, None]  # zero unless I > J
-        self.block_eye = (ops.tril(n, False, g) - strict)[:, :, None, None]
+        strict = ops.lower(n, True, g)
+        inside = strict[:, None, :, None] & mT(strict)[None, :, :, None]  # [I, J, M, 1]: J < M < I
+        between = ops.sum(ops.where(inside, totals[..., None, None, :, :], 0.0), axis=-2)  # [..., I, J, K]
+        self.block_decay = ops.where(strict[:, :, None], ops.exp(between), 0.0)  # zero unless I > J
+        self.block_eye = ops.eye(n, g)[:, :, None, None]
 
     def _full(self, ops, off_diagonal, diagonal):
         """Blocks ``[..., I, J, c, c]`` (+ diagonal ``[..., n, c, c]``) -> ``[..., C, C]``."""
@@ -200,11 +230,9 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
     G = ops.cumsum(g, axis=-2)
     decay = PairDecay(ops, g)
     # exp(sum_{s > i} g_s), the exponent summed directly for the same reason as in decay_pairs.
-    decay_to_end = ops.exp(
-        ops.concat([ops.cumsum(g, axis=-2, reverse=True)[..., 1:, :], 0 * g[..., :1, :]], axis=-2)
-    )
+    decay_to_end = ops.exp(sum_after(ops, g))
     bk = b * k
-    A = decay.pair(ops, bk, k) * ops.tril(C, True, G)
+    A = ops.where(ops.lower(C, True, G), decay.pair(ops, bk, k), 0.0)
     P = decay.pair(ops, q, k)
     inverse = ops.unit_lower_inverse(A)
     exp_G = ops.exp(G)
@@ -224,6 +252,28 @@ def intra_chunk(ops: Ops, q, k, v, g, b, w) -> Intra:
     )
 
 
+def _finite(ops: Ops, k, v, g, b, w):
+    """Per step, where the inputs are usable: ``(key_ok [..., C, 1], value_ok [..., C, V])``.
+    ``g = -inf`` is a hard reset, not a bad value; NaN and +inf are."""
+    key_ok = ops.isfinite(k) & ops.isfinite(b) & (g < math.inf)
+    return ~ops.any(~key_ok, axis=-1, keepdims=True), ops.isfinite(v) & ops.isfinite(w)
+
+
+def screen(ops: Ops, k, v, g, b, w):
+    """The chunked inputs ``[..., C, D]`` with every non-finite value replaced by 0 (``g = -inf``
+    kept), and ``poisoned [..., C, V]``: true at and after, within the chunk, the first step whose
+    k, g or b (any key channel) or v or w (this value column) is not finite.
+
+    Returns ``(k, v, g, b, w, poisoned)``.
+    """
+    key_ok, value_ok = _finite(ops, k, v, g, b, w)
+    bad = ~(key_ok & value_ok)
+    poisoned = ops.cumsum(ops.astype(bad, k.dtype), axis=-2) > 0
+    k, v, b, w = (ops.where(ops.isfinite(x), x, 0.0) for x in (k, v, b, w))
+    g = ops.where(g < math.inf, g, 0.0)
+    return k, v, g, b, w, poisoned
+
+
 def forward(
     ops: Ops, q, k, v, g, b, w, scale: float, initial_state, chunk_size: int, sequences: SequenceOffsets | None = None
 ):
@@ -234,9 +284,12 @@ def forward(
     chunks, K, V])`` where ``states`` holds the state entering each chunk (what the backward needs).
     """
     T = q.shape[1]
+    chunk_size = effective_chunk_size(chunk_size, T, sequences)
     layout = None if sequences is None else sequences.chunk_layout(chunk_size)
     q, k, g, b, v, w = (to_chunks(ops, x, chunk_size, layout) for x in (q, k, g, b, v, w))
     B, H, N, C, K = q.shape
+    k, v, g, b, w, poisoned = screen(ops, k, v, g, b, w)
+    leaving_poisoned = poisoned[..., C - 1 :, :]  # [B, H, N, 1, V]: the state leaving the chunk
     intra = intra_chunk(ops, q, k, v, g, b, w)
     states, new_values, final_states = [None] * N, [None] * N, []
     for row, first, end in _segments(layout, N):
@@ -245,11 +298,28 @@ def forward(
             states[n] = state
             new_values[n] = intra.Uw[:, :, n] - intra.Wk[:, :, n] @ state
             state = intra.gamma[:, :, n, :, None] * state + mT(intra.Kd[:, :, n]) @ new_values[n]
+            state = ops.where(leaving_poisoned[:, :, n], math.nan, state)
         final_states.append(state)
     states = ops.stack(states, axis=2)
     U = ops.stack(new_values, axis=2)
-    o = scale * (intra.Qg @ states + intra.P @ U)
+    o = ops.where(poisoned, math.nan, scale * (intra.Qg @ states + intra.P @ U))
     return from_chunks(ops, o, T, layout), ops.concat(final_states, axis=0), states
+
+
+def _poisoned_sequences(ops: Ops, q, k, v, g, b, w, layout: ChunkLayout | None):
+    """Which (sequence, head) runs hold a non-finite input, q included: a mask ``[B, H, N, 1, 1]``
+    per chunk and one ``[rows, H, 1, 1]`` per state row."""
+    key_ok, value_ok = _finite(ops, k, v, g, b, w)
+    step_bad = ~key_ok[..., 0] | ops.any(~value_ok, axis=-1) | ops.any(~ops.isfinite(q), axis=-1)  # [B, H, N, C]
+    chunk_bad = ops.any(step_bad, axis=-1)  # [B, H, N]
+    per_chunk, per_row = [], []
+    for _, first, end in _segments(layout, chunk_bad.shape[-1]):
+        run = ops.any(chunk_bad[:, :, first:end], axis=-1, keepdims=True)  # [B, H, 1]
+        per_row.append(run)
+        if end > first:
+            per_chunk.append(run | chunk_bad[:, :, first:end])
+    per_chunk = ops.concat(per_chunk, axis=-1)[..., None, None]
+    return per_chunk, ops.concat(per_row, axis=0)[..., None]
 
 
 def backward(
@@ -263,9 +333,12 @@ def backward(
     dtype, inputs shaped ``[B, T, H, D]``.
     """
     T = q.shape[1]
+    chunk_size = effective_chunk_size(chunk_size, T, sequences)
     layout = None if sequences is None else sequences.chunk_layout(chunk_size)
     q, k, g, b, v, w, d_o = (to_chunks(ops, x, chunk_size, layout) for x in (q, k, g, b, v, w, d_o))
     B, H, N, C, K = q.shape
+    chunk_poisoned, row_poisoned = _poisoned_sequences(ops, q, k, v, g, b, w, layout)
+    k, v, g, b, w, _ = screen(ops, k, v, g, b, w)
     intra = intra_chunk(ops, q, k, v, g, b, w)
     U = intra.Uw - intra.Wk @ states
     inclusive, strict = ops.tril(C, False, q), ops.tril(C, True, q)
@@ -333,8 +406,8 @@ def backward(
     before = ops.concat([ops.zeros(kd_terms.shape[:-2] + (1, K), like=q), ops.cumsum(kd_terms, axis=-2)[..., :-1, :]], axis=-2)
     dg = ops.cumsum(d_G, axis=-2, reverse=True) + before + (d_gamma * intra.gamma)[..., None, :]
 
-    grads = (from_chunks(ops, x, T, layout) for x in (dq, dk, dv, dg, db, dw))
-    return (*grads, d_initial_state)
+    grads = (from_chunks(ops, ops.where(chunk_poisoned, math.nan, x), T, layout) for x in (dq, dk, dv, dg, db, dw))
+    return (*grads, ops.where(row_poisoned, math.nan, d_initial_state))
 
 
 def recurrent(ops: Ops, q, k, v, g, b, w, scale: float, initial_state, sequences: SequenceOffsets | None = None):

@@ -35,6 +35,18 @@ class Ops:
     def transpose(self, x, axes):
         raise NotImplementedError
 
+    def where(self, condition, x, y):
+        """``x`` where the boolean ``condition`` holds, else ``y`` (arrays or Python scalars,
+        broadcast). Masks are applied this way, never by multiplication: ``-inf * 0`` and
+        ``NaN * 0`` are NaN."""
+        raise NotImplementedError
+
+    def isfinite(self, x):
+        raise NotImplementedError
+
+    def any(self, x, axis: int, keepdims: bool = False):
+        return x.any(axis=axis, keepdims=keepdims)
+
     def stack(self, xs, axis: int):
         raise NotImplementedError
 
@@ -63,6 +75,10 @@ class Ops:
             rows.append(eye[i : i + 1] - A[..., i : i + 1, :i] @ previous)
         return self.concat(rows, axis=-2)
 
+    def lower(self, n: int, strict: bool, like):
+        """``[n, n]`` lower-triangular boolean mask (for ``where``)."""
+        return self.tril(n, strict, like) > 0
+
     def eye(self, n: int, like):
         return self.tril(n, False, like) - self.tril(n, True, like)
 
@@ -87,6 +103,12 @@ class NumpyOps(Ops):
 
     def transpose(self, x, axes):
         return np.transpose(x, axes)
+
+    def where(self, condition, x, y):
+        return np.where(condition, x, y)
+
+    def isfinite(self, x):
+        return np.isfinite(x)
 
     def stack(self, xs, axis):
         return np.stack(xs, axis)

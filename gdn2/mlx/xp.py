@@ -24,6 +24,15 @@ class MlxOps(Ops):
     def transpose(self, x, axes):
         return mx.transpose(x, axes)
 
+    def where(self, condition, x, y):
+        return mx.where(condition, x, y)
+
+    def isfinite(self, x):
+        return mx.isfinite(x)
+
+    def any(self, x, axis, keepdims=False):
+        return mx.any(x, axis=axis, keepdims=keepdims)
+
     def stack(self, xs, axis):
         return mx.stack(xs, axis=axis)
 

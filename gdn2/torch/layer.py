@@ -213,7 +213,8 @@ class GatedDeltaNet2(nn.Module):
             raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
         sequences = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens, B, T)  # read once
         positions = None if sequences is None else sequences.positions()
-        x = hidden_states
+        # Padding may hold anything (NaN from an earlier layer): selected away, not multiplied by 0.
+        x = hidden_states if mask is None else torch.where(mask[..., None], hidden_states, 0.0)
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
 
         if self.use_short_conv:

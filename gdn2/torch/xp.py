@@ -25,6 +25,15 @@ class TorchOps(Ops):
     def transpose(self, x, axes):
         return x.permute(*axes).contiguous()
 
+    def where(self, condition, x, y):
+        return torch.where(condition, x, y)
+
+    def isfinite(self, x):
+        return torch.isfinite(x)
+
+    def any(self, x, axis, keepdims=False):
+        return torch.any(x, dim=axis, keepdim=keepdims)
+
     def stack(self, xs, axis):
         return torch.stack(xs, axis)
 
