@@ -117,21 +117,25 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
         dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot),
         fk.STATE_WARPS,
     )
+    blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),
+                  BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))), C=64, DOT=dot)
+    out["intra_backward_contract"] = (
+        bw._intra_backward_contract_kernel,
+        dict(states=f32, U=f32, d_o=inp, d_leaving=f32, d_U=f32, inverse=f32, d_qd=f32, d_kd=f32, d_bkd=f32,
+             d_gamma=f32),
+        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
+    )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
-        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, G=f32, Wk=f32, Uw=f32, inverse=f32, states=f32, U=f32,
-             d_o=inp, d_leaving=f32, d_U=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp),
-        dict(scale="fp32"),
-        dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, bk), BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(16, V)), C=64, DOT=dot),
-        bw.INTRA_BACKWARD_WARPS,
+        dict(v=inp, w=inp, Wk=f32, Uw=f32, inverse=f32, U=f32, d_o=inp, d_U=f32, d_bkd=f32,
+             d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp),
+        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_keys"] = (
         bw._intra_backward_keys_kernel,
-        dict(q=inp, k=inp, g=inp, b=inp, G=f32, states=f32, U=f32, d_o=inp, d_leaving=f32, d_U=f32, inverse=f32,
+        dict(q=inp, k=inp, g=inp, b=inp, G=f32, d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma_in=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, dg=inp, db=inp),
-        dict(scale="fp32"),
-        dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, bk), BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(16, V)), C=64, DOT=dot),
-        bw.INTRA_BACKWARD_KEYS_WARPS,
+        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     return out
 

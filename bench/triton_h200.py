@@ -38,7 +38,7 @@ from gdn2.torch.triton import backward as triton_backward
 from gdn2.torch.triton import forward as triton_forward
 
 TIMING_SHAPES = [(8, 4096, 16, 128, 128), (2, 16384, 16, 128, 128), (16, 2048, 32, 64, 64)]
-# (B, T, H, K, V, log decay range): the issue's head sizes, T not a multiple of 64, K != V.
+# (B, T, H, K, V, log decay range): head sizes 16 to 256, T not a multiple of 64, K != V.
 # The first two are "the small shape" at which both implementations' errors are compared.
 CHECK_SHAPES = [
     (2, 300, 2, 128, 128, (-3.0, 0.0)),

@@ -5,8 +5,8 @@
 
     forward:  intra_forward (parallel over chunks) -> state_forward (sequential over chunks)
               -> output (parallel)
-    backward: state_backward (sequential, reverse)  -> intra_backward (parallel: a value launch
-              over chunks, then a key launch over chunks and blocks of key columns)
+    backward: state_backward (sequential, reverse) -> in-chunk backward (parallel): contractions
+              (chunks x key blocks) -> values (chunks) -> keys (chunks x key blocks)
 
 ``docs/triton.md`` has the design, the numerics and what was measured. The kernels use chunks of 64 tokens; another ``chunk_size`` is a reason they cannot run the call.
 
@@ -23,7 +23,7 @@ import os
 import torch
 from triton.errors import TritonError
 
-from .backward import intra_backward, state_backward
+from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from .forward import CHUNK, intra_forward, output, state_forward
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
@@ -109,6 +109,10 @@ class TritonGDN2(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_final_state):
+        if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients would be constants to autograd
+            from ..ops import FIRST_ORDER_ONLY
+
+            raise RuntimeError(FIRST_ORDER_ONLY.format(path='chunk_gdn2(path="kernel")'))
         q, k, v, g, b, w, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -123,12 +127,13 @@ class TritonGDN2(torch.autograd.Function):
         d_initial = torch.empty(B, H, K, V, **f32) if ctx.has_initial else None
         state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
 
-        dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
-        dv, dw = torch.empty_like(v), torch.empty_like(w)
-        intra_backward(
-            q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
-            dq, dk, dv, dg, db, dw, ctx.scale, ctx.precision,
-        )
+        # Each buffer is dropped once its last reader ran, so that the gradients reuse its memory.
+        contractions = intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, ctx.scale, ctx.precision)
+        del d_leaving
+        dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], ctx.scale,
+                                                 ctx.precision)
+        del d_U
+        dq, dk, dg, db = intra_backward_keys(q, k, g, b, G, *contractions, d_A, d_P, V, ctx.scale, ctx.precision)
         return dq, dk, dv, dg, db, dw, d_initial, None, None
 
 

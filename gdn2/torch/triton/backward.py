@@ -1,29 +1,25 @@
-"""Triton backward kernels of the chunked GDN-2 form: the exact adjoint of ``forward.py``.
-
-Two launches (the equations are those of ``gdn2.chunk.backward``):
+"""Triton backward kernels of the chunked GDN-2 form: the exact adjoint of ``forward.py``
+(the equations are those of ``gdn2.algorithm.backward``). Four launches:
 
 * ``state_backward`` (one program per head and block of value columns, reverse over chunks):
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
   values ``d_U = scale P^T dO + kd d_leaving``; finally the gradient of the initial state. It
   reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here).
-* ``intra_backward`` (one program per chunk and head, parallel): everything else, arranged so
-  that few registers are live (no full [64, K] float32 tiles):
-
-  1. a loop over value blocks builds ``dP`` and the value part of ``dA`` ([64, 64]) and writes
-     dv, dw;
-  2. a loop over key blocks adds ``-(inverse^T dWk) Wk^T`` to ``dA``;
-  3. ``dA`` and ``dP`` go to scratch memory, so that the diagonal-block loop reads the entries
-     (i, i - d) and (j + d, j) as plain row-indexed vectors;
-  4. a loop over key blocks does the rest for its columns: the state contractions, the WY
-     adjoint, the adjoints of the gated bilinear forms ``A`` and ``P`` (same safe exponents as
-     the forward: window sums on the diagonal 16x16 blocks, anchors off the diagonal), and the
-     reverse cumulative sum that turns the gradient of ``G`` into that of ``g``. P's diagonal and
-     the k-to-end and gamma terms go straight to dq, dk and dg (they cancel in dG only to
-     rounding).
+* ``intra_backward_contract`` (chunk x head x block of key columns): the state-sized contractions
+  ``d_qd = scale dO S^T``, ``d_kd = U d_leaving^T``, ``d_bkd = -X^T (dU S^T)`` and ``d_gamma``.
+* ``intra_backward_values`` (chunk x head): ``dP = scale dO U^T``, ``d(wv) = X^T dU`` (dv, dw) and
+  ``dA = -(d(wv) Uw^T + d_bkd Wk^T)``; dA and dP go to memory, so that the key launch reads
+  entries (i, i - d) and (j + d, j) as plain row-indexed vectors.
+* ``intra_backward_keys`` (chunk x head x block of key columns): the WY adjoint, the adjoints of
+  the gated bilinear forms ``A`` and ``P`` (window sums on the diagonal 16x16 blocks, an anchor
+  row of G off the diagonal) and the reverse cumulative sum that turns the gradient of ``G`` into
+  that of ``g``. P's diagonal and the k-to-end and gamma terms go straight to dq, dk and dg (they
+  cancel in dG only to rounding).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -101,10 +97,62 @@ INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 8
 
 @triton.jit
+def _intra_backward_contract_kernel(
+    states, U, d_o, d_leaving, d_U, inverse,  # saved / from state_backward
+    d_qd, d_kd, d_bkd, d_gamma,  # outputs: [B, H, N * C, K] x3, [B, H, N, K] float32
+    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+):
+    """The state-sized contractions for one block of key columns: the gradients of the decayed
+    queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
+    ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    k0 = tl.program_id(2) * BKB
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, C)
+    t = i_n * C + rows
+    row_ok = t < T
+    cols_k = k0 + tl.arange(0, BKB)
+    k_ok = cols_k < K
+    state_base = (i_bh * N + i_n) * K * V
+    value_in = i_b * T * H * V + i_h * V
+    d_q_decayed = tl.zeros((C, BKB), dtype=tl.float32)
+    d_k_to_end = tl.zeros((C, BKB), dtype=tl.float32)
+    d_Wk = tl.zeros((C, BKB), dtype=tl.float32)
+    d_decay = tl.zeros((BKB,), dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cols_v = v0 + tl.arange(0, BV)
+        v_ok = cols_v < V
+        state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
+        state_mask = k_ok[:, None] & v_ok[None, :]
+        S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
+        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
+        padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
+        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
+        value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
+        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
+        d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
+        d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
+        d_decay += tl.sum(dS * S, 1)
+    chunk_matrix = (i_bh * N + i_n) * C * C + rows[:, None] * C + rows[None, :]
+    d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix)), d_Wk, input_precision=DOT)
+    padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
+    out_ok = (rows >= 0)[:, None] & k_ok[None, :]
+    tl.store(d_qd + padded_k, d_q_decayed, mask=out_ok)
+    tl.store(d_kd + padded_k, d_k_to_end, mask=out_ok)
+    tl.store(d_bkd + padded_k, d_bk_decayed, mask=out_ok)
+    tl.store(d_gamma + (i_bh * N + i_n) * K + cols_k, d_decay, mask=k_ok)
+
+
+@triton.jit
 def _intra_backward_values_kernel(
-    q, k, v, g, b, w,  # inputs [B, T, H, K|V]
-    G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,  # saved / from state_backward
-    d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32, written and read here
+    v, w,  # inputs [B, T, H, V]
+    Wk, Uw, inverse, U, d_o, d_U, d_bkd,  # saved / from the earlier launches
+    d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32, written here
     dv, dw,  # outputs, shapes and dtypes of v and w
     scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
@@ -120,9 +168,7 @@ def _intra_backward_values_kernel(
     chunk_base = (i_bh * N + i_n) * C * C
     chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
     inverse_tile = tl.load(inverse + chunk_matrix)
-    state_base = (i_bh * N + i_n) * K * V
     value_in = i_b * T * H * V + i_h * V
-    key_in = i_b * T * H * K + i_h * K
 
     # 1. Value side: dP = scale dO U^T, dA = -(d_wv Uw^T), dv, dw.
     d_P = tl.zeros((C, C), dtype=tl.float32)
@@ -145,22 +191,13 @@ def _intra_backward_values_kernel(
         tl.store(dv + value_offsets, (d_wv * w_tile).to(dv.dtype.element_ty), mask=value_mask)
         d_A -= tl.dot(d_wv, tl.trans(Uw_tile), input_precision=DOT)
 
-    # 2. Key side of dA: -(inverse^T dWk) Wk^T with dWk = -(dU S^T), by key blocks.
+    # 2. Key side of dA: -(inverse^T dWk) Wk^T, with inverse^T dWk from the contraction launch.
     for k0 in range(0, K, BKB):
         cols_k = k0 + tl.arange(0, BKB)
-        k_ok = cols_k < K
-        d_Wk = tl.zeros((C, BKB), dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            cols_v = v0 + tl.arange(0, BV)
-            v_ok = cols_v < V
-            S = tl.load(states + state_base + cols_k[:, None] * V + cols_v[None, :],
-                        mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-            dU_tile = tl.load(d_U + i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :],
-                              mask=v_ok[None, :], other=0.0)
-            d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
-        d_bk_decayed = tl.dot(tl.trans(inverse_tile), d_Wk, input_precision=DOT)
-        Wk_tile = tl.load(Wk + i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :],
-                          mask=k_ok[None, :], other=0.0)
+        padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
+        k_ok = (rows >= 0)[:, None] & (cols_k < K)[None, :]
+        d_bk_decayed = tl.load(d_bkd + padded_k, mask=k_ok, other=0.0)
+        Wk_tile = tl.load(Wk + padded_k, mask=k_ok, other=0.0)
         d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
     d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)  # with its diagonal (read apart)
@@ -171,7 +208,7 @@ def _intra_backward_values_kernel(
 @triton.jit
 def _intra_backward_keys_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    G, states, U, d_o, d_leaving, d_U, inverse,  # saved / from the earlier launches
+    G, d_qd, d_kd, d_bkd, d_gamma_in,  # saved; from the contraction launch
     d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32 from _intra_backward_values_kernel
     dq, dk, dg, db,  # outputs, shapes and dtypes of the inputs
     scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
@@ -188,8 +225,6 @@ def _intra_backward_keys_kernel(
     row_ok = t < T
     chunk_base = (i_bh * N + i_n) * C * C
     chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
-    state_base = (i_bh * N + i_n) * K * V
-    value_in = i_b * T * H * V + i_h * V
     key_in = i_b * T * H * K + i_h * K
     # P's diagonal (E_ii = 1) goes straight to dq and dk, not through dG.
     d_P_diagonal = tl.load(d_P_scratch + chunk_base + rows * C + rows)
@@ -199,32 +234,14 @@ def _intra_backward_keys_kernel(
     # 4. Everything else, for this program's key block.
     cols_k = k0 + tl.arange(0, BKB)
     k_ok = cols_k < K
-    d_q_decayed = tl.zeros((C, BKB), dtype=tl.float32)
-    d_k_to_end = tl.zeros((C, BKB), dtype=tl.float32)
-    d_Wk = tl.zeros((C, BKB), dtype=tl.float32)
-    d_gamma = tl.zeros((BKB,), dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        cols_v = v0 + tl.arange(0, BV)
-        v_ok = cols_v < V
-        state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
-        state_mask = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
-        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
-        padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
-        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
-        value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
-        d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
-        d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
-        d_gamma += tl.sum(dS * S, 1)
-    d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix)), d_Wk, input_precision=DOT)
-
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
     key_offsets = key_in + t[:, None] * (H * K) + cols_k[None, :]
     mask = row_ok[:, None] & k_ok[None, :]
     G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
+    d_q_decayed = tl.load(d_qd + padded_k, mask=k_ok[None, :], other=0.0)
+    d_k_to_end = tl.load(d_kd + padded_k, mask=k_ok[None, :], other=0.0)
+    d_bk_decayed = tl.load(d_bkd + padded_k, mask=k_ok[None, :], other=0.0)
+    d_gamma = tl.load(d_gamma_in + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
     q_tile = tl.load(q + key_offsets, mask=mask, other=0.0).to(tl.float32)
     k_tile = tl.load(k + key_offsets, mask=mask, other=0.0).to(tl.float32)
     b_tile = tl.load(b + key_offsets, mask=mask, other=0.0).to(tl.float32)
@@ -307,28 +324,51 @@ def _intra_backward_keys_kernel(
     tl.store(dg + key_offsets, d_g.to(dg.dtype.element_ty), mask=mask)
 
 
-def intra_backward(
-    q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U,
-    dq, dk, dv, dg, db, dw, scale: float, dot_precision: str,
-) -> None:
-    """Launch the parallel backward over chunks: the value side (dv, dw, and dA, dP through
-    scratch memory), then one program per chunk, head and block of key columns for the rest."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    N = inverse.shape[2]
-    d_A_scratch = inverse.new_empty(inverse.shape)
-    d_P_scratch = inverse.new_empty(inverse.shape)
-    # Blocks of at least 32 columns: with 16, Triton 3.6 on the H200 read past shared memory
-    # ("Invalid __shared__ read", compute-sanitizer) at K or V = 16; masks cover K, V < 32.
-    BKB = min(INTRA_BACKWARD_KEY_BLOCK, max(32, triton.next_power_of_2(K)))
-    BV = min(INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V)))
-    _intra_backward_values_kernel[(N, B * H)](
-        q, k, v, g, b, w, G, Wk, Uw, inverse, states, U, d_o, d_leaving, d_U, d_A_scratch, d_P_scratch,
-        dv, dw, scale, T, H, K, V, N,
+def _blocks(K: int, V: int) -> tuple[int, int]:
+    """Key and value columns per block in the in-chunk backward. At least 32: with 16, Triton 3.6
+    on the H200 read past shared memory ("Invalid __shared__ read", compute-sanitizer) at K or
+    V = 16; masks cover K, V < 32."""
+    return (min(INTRA_BACKWARD_KEY_BLOCK, max(32, triton.next_power_of_2(K))),
+            min(INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))))
+
+
+def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: float, dot_precision: str):
+    """Launch the state-sized contractions; returns ``(d_qd, d_kd, d_bkd, d_gamma)`` float32
+    (``[B, H, N * 64, K]`` three times and ``[B, H, N, K]``)."""
+    B, H, N, K, V = states.shape
+    T = d_o.shape[1]
+    BKB, BV = _blocks(K, V)
+    d_qd, d_kd, d_bkd = (states.new_empty(B, H, N * CHUNK, K) for _ in range(3))
+    d_gamma = states.new_empty(B, H, N, K)
+    _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
+        states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
+    return d_qd, d_kd, d_bkd, d_gamma
+
+
+def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: float, dot_precision: str):
+    """Launch the value side; returns ``(dv, dw, d_A, d_P)`` (d_A, d_P ``[B, H, N, 64, 64]``)."""
+    B, T, H, V = v.shape
+    N, K = inverse.shape[2], Wk.shape[-1]
+    BKB, BV = _blocks(K, V)
+    dv, dw = torch.empty_like(v), torch.empty_like(w)
+    d_A, d_P = inverse.new_empty(inverse.shape), inverse.new_empty(inverse.shape)
+    _intra_backward_values_kernel[(N, B * H)](
+        v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, scale, T, H, K, V, N,
+        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+    )
+    return dv, dw, d_A, d_P
+
+
+def intra_backward_keys(q, k, g, b, G, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, V: int, scale: float, dot_precision: str):
+    """Launch the key side, one program per chunk, head and key block; returns ``(dq, dk, dg, db)``."""
+    B, T, H, K = q.shape
+    N = d_A.shape[2]
+    BKB, BV = _blocks(K, V)
+    dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
     _intra_backward_keys_kernel[(N, B * H, triton.cdiv(K, BKB))](
-        q, k, g, b, G, states, U, d_o, d_leaving, d_U, inverse, d_A_scratch, d_P_scratch,
-        dq, dk, dg, db, scale, T, H, K, V, N,
+        q, k, g, b, G, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, dq, dk, dg, db, scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
     )
+    return dq, dk, dg, db

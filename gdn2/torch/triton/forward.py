@@ -1,4 +1,4 @@
-"""Triton forward kernels of the chunked GDN-2 form (see ``gdn2/chunk.py`` for the mathematics).
+"""Triton forward kernels of the chunked GDN-2 form (see ``gdn2/algorithm.py`` for the mathematics).
 
 Three launches:
 
