@@ -8,6 +8,7 @@ argument, the expected and the received. They read shapes, dtypes and types only
 
 from __future__ import annotations
 
+from .packing import SequenceOffsets
 from .spec import _dtype_name, check_array_types
 
 TOKEN_DTYPES = {
@@ -19,8 +20,10 @@ TOKEN_DTYPES = {
 
 def check_hidden_states(hidden_states, hidden_size: int, framework: str, **others) -> tuple[int, int]:
     """``hidden_states`` ``[B, T, hidden_size]`` with B, T >= 1 of ``framework``, and ``others``
-    (attention_mask, cu_seqlens, ... or None) arrays of the same library and device; return (B, T)."""
-    check_array_types(dict(hidden_states=hidden_states, **others), framework)
+    (attention_mask, cu_seqlens, ... or None) arrays of the same library and device; return (B, T).
+    Offsets already parsed (a ``SequenceOffsets``) are plain integers, of no library."""
+    arrays = {name: x for name, x in others.items() if not isinstance(x, SequenceOffsets)}
+    check_array_types(dict(hidden_states=hidden_states, **arrays), framework)
     shape = [int(d) for d in hidden_states.shape]
     if len(shape) != 3 or shape[-1] != hidden_size:
         raise ValueError(f"hidden_states: expected shape [B, T, {hidden_size}], received {shape}")

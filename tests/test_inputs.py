@@ -257,3 +257,14 @@ def test_language_model_cache_with_another_batch_size(framework):
         model(ids(framework, np.ones((2, 3), np.int64)), cache)
         with pytest.raises(ValueError, match=r"^cache: expected hidden_states of the 2 sequences it holds \(B=2\), received B=1"):
             model(ids(framework, np.ones((1, 1), np.int64)), cache)
+
+
+def test_layer_takes_parsed_offsets_as_well():
+    from gdn2.spec import parse_cu_seqlens
+
+    layer = mixer("torch")
+    x = hidden("torch", [1, 5, 8])
+    offsets = torch.tensor([0, 2, 5])
+    with torch.no_grad():
+        expected = layer(x, cu_seqlens=offsets)
+        np.testing.assert_array_equal(layer(x, cu_seqlens=parse_cu_seqlens(offsets, 1, 5)).numpy(), expected.numpy())
