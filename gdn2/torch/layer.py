@@ -14,6 +14,7 @@ inputs, oldest first).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import paths
 from ..inputs import check_cache_batch, check_hidden_states, check_token_ids
+from ..paths import PathChoice
 from ..spec import parse_cu_seqlens
 from ..weights import ModelConfig, check_mixer_sizes, check_names, initial_weights, load_numpy, save_numpy
 from .ops import chunk_gdn2, recurrent_gdn2
@@ -131,6 +134,15 @@ class GatedDeltaNet2(nn.Module):
     num_heads, num_v_heads, use_short_conv, allow_neg_eigval, conv_size, conv_bias, norm_eps``),
     plus ``chunk_size`` and ``path`` passed to ``chunk_gdn2``. Not supported: fla's ``mode`` (the
     path is chosen by ``gdn2.paths``) and ``safe_gate``.
+
+    ``use_kernels`` (an attribute, settable after construction): the steps around the operator
+    (short convolutions with SiLU and the q/k L2 normalisation, the gates, the gated output norm)
+    run as fused Triton kernels (``gdn2/torch/triton/conv.py``, ``norm.py``, ``gates.py``) with
+    tensors kept in the operator's ``[B, T, H, D]`` layout, or as the plain PyTorch code of this
+    file (the reference and the CPU path). None: automatic, then the ``GDN2_LAYER_KERNELS``
+    environment variable (``1`` or ``0``) decides, else the kernels on CUDA; True: the kernels
+    (CPU tensors need ``TRITON_INTERPRET=1``), giving way to the plain code with one warning where
+    they cannot run; False: the plain code. ``which_glue(hidden_states)`` says which a call takes.
     """
 
     def __init__(
@@ -148,6 +160,7 @@ class GatedDeltaNet2(nn.Module):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         path: str | None = None,
+        use_kernels: bool | None = None,
     ):
         super().__init__()
         self.num_v_heads, self.head_v_dim, self.groups = check_mixer_sizes(
@@ -157,6 +170,9 @@ class GatedDeltaNet2(nn.Module):
         self.use_short_conv, self.allow_neg_eigval = use_short_conv, allow_neg_eigval
         self.conv_size, self.conv_bias, self.norm_eps = conv_size, conv_bias, norm_eps
         self.layer_idx, self.chunk_size, self.path = layer_idx, chunk_size, path
+        if use_kernels not in (None, True, False):
+            raise ValueError(f"use_kernels: expected None, True or False, received {use_kernels!r}")
+        self.use_kernels = use_kernels
         self.key_dim = num_heads * head_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
 
@@ -215,27 +231,20 @@ class GatedDeltaNet2(nn.Module):
         positions = None if sequences is None else sequences.positions()
         # Padding may hold anything (NaN from an earlier layer): selected away, not multiplied by 0.
         x = hidden_states if mask is None else torch.where(mask[..., None], hidden_states, 0.0)
-        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        HV, V = self.num_v_heads, self.head_v_dim
+        conv_states = cache.conv_state if cache is not None and cache.conv_state else (None,) * 3
+        keep_conv_states = cache is not None and self.use_short_conv
+        fused = self.which_glue(x).path == "kernels"
+        if fused:
+            from triton.errors import TritonError
 
-        if self.use_short_conv:
-            conv_q, conv_k, conv_v = cache.conv_state if cache is not None and cache.conv_state else (None,) * 3
-            masked = (lambda y: y) if mask is None else (lambda y: y * mask[..., None].to(y.dtype))
-            q, conv_q = self.q_conv1d(masked(self.q_proj(x)), conv_q, positions)
-            k, conv_k = self.k_conv1d(masked(self.k_proj(x)), conv_k, positions)
-            v, conv_v = self.v_conv1d(masked(self.v_proj(x)), conv_v, positions)
-        else:
-            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
-
-        # Gates in float32: the cumulative sums of g downstream need the precision.
-        g = F.softplus(self.f_proj(x).float() + self.dt_bias.float()).view(B, T, H, K)
-        g = -self.A_log.float().exp()[:, None] * g
-        b = torch.sigmoid(self.b_proj(x).float()).view(B, T, H, K)
-        if self.allow_neg_eigval:
-            b = b * 2.0
-        w = torch.sigmoid(self.w_proj(x).float()).view(B, T, HV, V)
-        q = l2_normalize(q.float().view(B, T, H, K))
-        k = l2_normalize(k.float().view(B, T, H, K))
-        v = v.float().view(B, T, HV, V)
+            try:
+                q, k, v, g, b, w, conv_states = self._fused_inputs(x, mask, conv_states, positions, keep_conv_states)
+            except TritonError as error:  # compilation, resources or the interpreter: the plain code runs
+                _glue_failed(error)
+                fused = False
+        if not fused:
+            q, k, v, g, b, w, conv_states = self._plain_inputs(x, mask, conv_states, positions)
         if self.groups > 1:
             q, k, g, b = (t.repeat_interleave(self.groups, dim=2) for t in (q, k, g, b))
         if mask is not None:
@@ -253,13 +262,154 @@ class GatedDeltaNet2(nn.Module):
             )
         if cache is not None:
             cache.recurrent_state = state
-            cache.conv_state = (conv_q, conv_k, conv_v) if self.use_short_conv else None
+            cache.conv_state = conv_states if self.use_short_conv else None
             cache.offset += T
 
-        gate = self.g_proj(x).view(B, T, HV, V)
-        o = self.o_norm(o, gate).reshape(B, T, HV * V).to(hidden_states.dtype)
-        o = self.o_proj(o)
+        gate = self.g_proj(x)
+        normed = None
+        if fused:
+            from triton.errors import TritonError
+
+            from .triton.norm import gated_rms_norm
+
+            # Written straight in the dtype o_proj computes in (autocast's, else the input's).
+            device = x.device.type
+            out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+            try:
+                normed = gated_rms_norm(o, gate, self.o_norm.weight, eps=self.o_norm.eps, out_dtype=out_dtype)
+            except TritonError as error:
+                _glue_failed(error)
+        if normed is None:
+            normed = self.o_norm(o, gate.view(B, T, HV, V)).to(hidden_states.dtype)
+        o = self.o_proj(normed.reshape(B, T, HV * V))
         return o if mask is None else o * mask[..., None].to(o.dtype)
+
+    def which_glue(self, hidden_states: torch.Tensor) -> PathChoice:
+        """Whether a call on ``hidden_states`` runs the steps around the operator as fused
+        Triton kernels (``path == "kernels"``) or as plain PyTorch (``"plain"``), and why; logged
+        once, and warned once where requested kernels cannot run."""
+        wanted, source = self.use_kernels, "requested by use_kernels"
+        if wanted is None:
+            env = os.environ.get("GDN2_LAYER_KERNELS", "").strip()
+            if env and env not in ("0", "1"):
+                raise ValueError(f"GDN2_LAYER_KERNELS: expected 0 or 1, received {env!r}")
+            wanted, source = (None, "automatic") if not env else (env == "1", "requested by GDN2_LAYER_KERNELS")
+        if wanted is False:
+            choice = PathChoice("plain", source)
+        else:
+            problem = _glue_kernel_problem(hidden_states)
+            if problem is None and wanted is None and hidden_states.device.type != "cuda":
+                problem = f"tensors on {hidden_states.device.type} (the Triton interpreter runs only when asked for)"
+            if problem is None:
+                choice = PathChoice("kernels", source)
+            elif wanted:
+                choice = PathChoice("plain", f"fused kernels requested but unavailable: {problem}", gave_way=True)
+            else:
+                choice = PathChoice("plain", f"automatic; fused kernels not used: {problem}")
+        if not torch.compiler.is_compiling():
+            paths.announce("torch.GatedDeltaNet2 glue", choice, stacklevel=3)
+        return choice
+
+    def _plain_inputs(self, x, mask, conv_states, positions):
+        """q, k, v, g, b, w for the operator (float32, ``[B, T, heads, D]``) and the new
+        convolution states, in plain PyTorch."""
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        if self.use_short_conv:
+            conv_q, conv_k, conv_v = conv_states
+            masked = (lambda y: y) if mask is None else (lambda y: y * mask[..., None].to(y.dtype))
+            q, conv_q = self.q_conv1d(masked(self.q_proj(x)), conv_q, positions)
+            k, conv_k = self.k_conv1d(masked(self.k_proj(x)), conv_k, positions)
+            v, conv_v = self.v_conv1d(masked(self.v_proj(x)), conv_v, positions)
+            conv_states = (conv_q, conv_k, conv_v)
+        else:
+            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
+
+        # Gates in float32: the cumulative sums of g downstream need the precision.
+        g = F.softplus(self.f_proj(x).float() + self.dt_bias.float()).view(B, T, H, K)
+        g = -self.A_log.float().exp()[:, None] * g
+        b = torch.sigmoid(self.b_proj(x).float()).view(B, T, H, K)
+        if self.allow_neg_eigval:
+            b = b * 2.0
+        w = torch.sigmoid(self.w_proj(x).float()).view(B, T, HV, V)
+        q = l2_normalize(q.float().view(B, T, H, K))
+        k = l2_normalize(k.float().view(B, T, H, K))
+        v = v.float().view(B, T, HV, V)
+        return q, k, v, g, b, w, conv_states
+
+    def _fused_inputs(self, x, mask, conv_states, positions, keep_conv_states: bool):
+        """As ``_plain_inputs``, through the fused Triton kernels: each result is written once,
+        float32, in the operator's layout (no transposes, casts or copies around it)."""
+        from .triton.conv import short_convolution
+        from .triton.gates import decay_gate, sigmoid_gate
+        from .triton.norm import l2_normalize as l2_normalize_kernel
+
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        f32 = torch.float32
+        if self.use_short_conv:
+            where = None if positions is None else torch.as_tensor(positions, dtype=torch.int32, device=x.device)[None]
+            convolved, new_states = [], []
+            for conv, projection, state, head_dim in (
+                (self.q_conv1d, self.q_proj, conv_states[0], K),
+                (self.k_conv1d, self.k_proj, conv_states[1], K),
+                (self.v_conv1d, self.v_proj, conv_states[2], None),
+            ):
+                inputs = projection(x)
+                convolved.append(short_convolution(
+                    inputs, conv.weight, conv.bias, state, where, mask, head_dim=head_dim, out_dtype=f32,
+                ))
+                if keep_conv_states:
+                    new_states.append(_conv_tail(inputs, state, mask, self.conv_size))
+            q, k, v = convolved
+            conv_states = tuple(new_states) if keep_conv_states else conv_states
+        else:
+            q = l2_normalize_kernel(self.q_proj(x), K, silu=True, out_dtype=f32)
+            k = l2_normalize_kernel(self.k_proj(x), K, silu=True, out_dtype=f32)
+            v = F.silu(self.v_proj(x)).float()
+        g = decay_gate(self.f_proj(x), self.A_log, self.dt_bias)
+        b = sigmoid_gate(self.b_proj(x), 2.0 if self.allow_neg_eigval else 1.0)
+        w = sigmoid_gate(self.w_proj(x))
+        q, k, g, b = (t.view(B, T, H, K) for t in (q, k, g, b))
+        return q, k, v.view(B, T, HV, V), g, b, w.view(B, T, HV, V), conv_states
+
+
+_glue_failure: str | None = None  # why the fused kernels failed in this process (then not tried again)
+
+
+def _glue_failed(error: BaseException) -> None:
+    """Record a kernel failure and warn once; this call and the next ones run the plain code."""
+    global _glue_failure
+    _glue_failure = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    paths.announce("torch.GatedDeltaNet2 glue", PathChoice("plain", f"fused kernels failed: {_glue_failure}", gave_way=True))
+
+
+def _glue_kernel_problem(x: torch.Tensor) -> str | None:
+    """None when the fused glue kernels can run on ``x``'s device and dtype, else why not."""
+    if _glue_failure is not None:
+        return f"they failed earlier in this process ({_glue_failure})"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {str(x.dtype).rsplit('.', 1)[-1]} (the kernels compute in float32)"
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting):
+        return f"tensors on {x.device.type}; Triton needs CUDA or TRITON_INTERPRET=1"
+    try:
+        from .triton import conv, gates, norm  # noqa: F401
+    except ImportError as error:
+        return f"Triton cannot be imported ({error})"
+    return None
+
+
+def _conv_tail(inputs: torch.Tensor, state: torch.Tensor | None, mask, width: int) -> torch.Tensor:
+    """The new convolution state: the last ``width - 1`` inputs of ``cat(state, inputs)`` (padding
+    read as zero), as ``ShortConvolution`` returns it."""
+    B, T, D = inputs.shape
+    if mask is not None:
+        inputs = inputs * mask[..., None].to(inputs.dtype)
+    if state is None:
+        state = inputs.new_zeros(B, width - 1, D)
+    joined = torch.cat([state.to(inputs.dtype), inputs[:, max(0, T - (width - 1)):]], dim=1)
+    return joined[:, joined.shape[1] - (width - 1):]
 
 
 def padding_mask(attention_mask, B: int, T: int, like: torch.Tensor, cache) -> torch.Tensor | None:

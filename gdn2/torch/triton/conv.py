@@ -1,0 +1,342 @@
+"""Triton kernels of the layer's causal short convolution: depthwise over time, then SiLU, and
+optionally the L2 normalisation of each head (the query and key convolutions feed the operator
+normalised, so the normalisation costs no extra pass over memory).
+
+``x`` ``[B, T, D]`` (a projection's output, ``D = heads * head_dim``, the operator's
+``[B, T, H, K]`` layout seen flat), weight ``[D, 1, W]`` (``nn.Conv1d``'s), optional bias
+``[D]``; per channel ``d`` and step ``t``::
+
+    z[t] = sum_j weight[d, j] * x[t - (W - 1 - j)] + bias[d]        x[s < 0] from the state
+    y[t] = silu(z[t])            (then y / sqrt(sum over the head of y^2 + eps) per head)
+
+Options, as in ``gdn2.torch.layer.ShortConvolution``:
+
+* ``state`` ``[B, W - 1, D]``: the inputs before step 0 (the decode cache), oldest first;
+  None: zeros. Its gradient is computed.
+* ``positions`` ``[B, T]`` integer: each token's index inside its packed sequence; a tap that
+  would reach back past the start of the token's sequence is left out (no leak across packed
+  sequences).
+* ``mask`` ``[B, T]`` bool: padding steps (False) read as zero input.
+
+Launches: forward (one program per block of steps, block of channels and batch row); backward
+(a fixed number of programs per channel block and batch row, each walking several blocks of
+steps so that the weight and bias gradients are summed in registers; the partial sums of the
+programs are added by one ``torch.sum``). The backward recomputes the pre-activations from the
+inputs (W taps per step, read from cache), so the forward saves nothing but its inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FORWARD_WARPS = 4
+BACKWARD_WARPS = 4
+STEP_BLOCK = 32  # steps per block
+CHANNEL_BLOCK = 64  # channels per program without normalisation
+BACKWARD_PROGRAMS = 1024  # programs of the backward in all (fewer when there are fewer blocks)
+
+
+@triton.jit
+def _inputs(x, state, mask, i_b, s, T, D, cols, col_ok, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Rows ``s`` of the convolution input as a float32 tile: ``x`` for ``0 <= s < T`` (zero at
+    padding), the state's row ``W - 1 + s`` for ``-(W - 1) <= s < 0``, zero elsewhere."""
+    in_x = (s >= 0) & (s < T)
+    tile = tl.load(x + (i_b * T + s)[:, None] * D + cols[None, :], mask=in_x[:, None] & col_ok[None, :], other=0.0)
+    tile = tile.to(tl.float32)
+    if HAS_MASK:
+        keep = tl.load(mask + i_b * T + s, mask=in_x, other=0) != 0
+        tile = tl.where(keep[:, None], tile, 0.0)  # a select: padding that holds inf/NaN stays out
+    if HAS_STATE:
+        in_state = (s < 0) & (s >= 1 - W)
+        old = tl.load(state + (i_b * (W - 1) + W - 1 + s)[:, None] * D + cols[None, :],
+                      mask=in_state[:, None] & col_ok[None, :], other=0.0)
+        tile += old.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _pre_activation(
+    x, weight, bias, state, positions, mask, i_b, t, T, D, cols, col_ok,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """``z`` at steps ``t`` ([BT, BD] float32)."""
+    z = tl.zeros((BT, BD), dtype=tl.float32)
+    if HAS_POSITIONS:
+        position = tl.load(positions + i_b * T + t, mask=(t >= 0) & (t < T), other=0)
+    for j in tl.static_range(W):
+        back = W - 1 - j
+        tile = _inputs(x, state, mask, i_b, t - back, T, D, cols, col_ok, W, HAS_STATE, HAS_MASK)
+        if HAS_POSITIONS:
+            tile = tl.where((position >= back)[:, None], tile, 0.0)
+        tap = tl.load(weight + cols * W + j, mask=col_ok, other=0.0).to(tl.float32)
+        z += tile * tap[None, :]
+    if HAS_BIAS:
+        z += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return z
+
+
+@triton.jit
+def _conv_forward_kernel(
+    x, weight, bias, state, positions, mask, y,  # [B, T, D], [D, W], [D], [B, W - 1, D], [B, T], [B, T], [B, T, D]
+    T, D, eps,
+    W: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    t = i_t * BT + tl.arange(0, BT)
+    lane = tl.arange(0, BD)
+    cols = i_c * CH + lane
+    col_ok = (lane < CH) & (cols < D)
+    z = _pre_activation(x, weight, bias, state, positions, mask, i_b, t, T, D, cols, col_ok,
+                        W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK)
+    out = z * tl.sigmoid(z)  # channels outside the block have z = 0, out = 0
+    if NORMALIZE:
+        out = out * tl.rsqrt(tl.sum(out * out, 1) + eps)[:, None]
+    tl.store(y + (i_b * T + t)[:, None] * D + cols[None, :], out.to(y.dtype.element_ty),
+             mask=(t < T)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _pre_activation_grad(
+    x, weight, bias, state, positions, mask, dy, i_b, t, T, D, cols, col_ok, eps,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    """The gradient of ``z`` at steps ``t`` (zero at steps outside ``[0, T)``), ``z`` recomputed."""
+    z = _pre_activation(x, weight, bias, state, positions, mask, i_b, t, T, D, cols, col_ok,
+                        W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK)
+    row_ok = (t >= 0) & (t < T)
+    d_out = tl.load(dy + (i_b * T + t)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    d_out = d_out.to(tl.float32)
+    sig = tl.sigmoid(z)
+    if NORMALIZE:
+        act = z * sig
+        inv_norm = tl.rsqrt(tl.sum(act * act, 1) + eps)
+        normed = act * inv_norm[:, None]
+        d_out = inv_norm[:, None] * (d_out - normed * tl.sum(d_out * normed, 1)[:, None])
+    dz = d_out * sig * (1.0 + z * (1.0 - sig))
+    return tl.where(row_ok[:, None], dz, 0.0)
+
+
+@triton.jit
+def _input_grad(
+    x, weight, bias, state, positions, mask, dy, i_b, s, T, D, cols, col_ok, eps, dz_first,
+    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    """``sum_m weight[W - 1 - m] * dz[s + m]`` over the taps that read row ``s``; ``dz_first``:
+    ``dz[s]``, already computed."""
+    last = tl.load(weight + cols * W + W - 1, mask=col_ok, other=0.0).to(tl.float32)
+    grad = dz_first * last[None, :]
+    for m in tl.static_range(1, W):
+        t = s + m
+        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, t, T, D, cols, col_ok, eps,
+                                  W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
+        if HAS_POSITIONS:  # step t reaches back m steps only inside its own sequence
+            position = tl.load(positions + i_b * T + t, mask=(t >= 0) & (t < T), other=0)
+            dz = tl.where((position >= m)[:, None], dz, 0.0)
+        tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
+        grad += dz * tap[None, :]
+    return grad
+
+
+@triton.jit
+def _conv_backward_kernel(
+    x, weight, bias, state, positions, mask, dy,  # as the forward; dy [B, T, D]
+    dx, d_weight_parts, d_bias_parts, d_state,  # [B, T, D], [B * P, D, W] f32, [B * P, D] f32, [B, W - 1, D]
+    T, D, eps, P, row_blocks,
+    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    lane = tl.arange(0, BD)
+    cols = i_c * CH + lane
+    col_ok = (lane < CH) & (cols < D)
+    d_weight = tl.zeros((BD, WB), dtype=tl.float32)
+    taps = tl.arange(0, WB)
+    d_bias = tl.zeros((BD,), dtype=tl.float32)
+    for block in range(i_p, row_blocks, P):
+        s = block * BT + tl.arange(0, BT)
+        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, cols, col_ok, eps,
+                                  W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
+        # Weight and bias: dz of this block's steps against the inputs each tap read.
+        if HAS_POSITIONS:
+            position = tl.load(positions + i_b * T + s, mask=s < T, other=0)
+        for j in tl.static_range(W):
+            back = W - 1 - j
+            tile = _inputs(x, state, mask, i_b, s - back, T, D, cols, col_ok, W, HAS_STATE, HAS_MASK)
+            if HAS_POSITIONS:
+                tile = tl.where((position >= back)[:, None], tile, 0.0)
+            d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
+        d_bias += tl.sum(dz, 0)
+        grad = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, cols, col_ok, eps, dz,
+                           W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
+        if HAS_MASK:
+            keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
+            grad = tl.where(keep[:, None], grad, 0.0)
+        tl.store(dx + (i_b * T + s)[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty),
+                 mask=(s < T)[:, None] & col_ok[None, :])
+        if HAS_STATE:
+            if block == 0:  # the state's rows are the steps -(W - 1) .. -1
+                r = tl.arange(0, BS) - (W - 1)
+                dz_r = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, cols, col_ok,
+                                            eps, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
+                grad_r = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, cols, col_ok, eps,
+                                     dz_r, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
+                tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
+                         grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
+    part = i_b * P + i_p
+    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
+             mask=col_ok[:, None] & (taps < W)[None, :])
+    if HAS_BIAS:
+        tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
+
+
+def _channel_blocks(D: int, head_dim: int | None) -> tuple[int, int, int]:
+    """(channels per program, their power-of-two block, number of programs over D)."""
+    if head_dim is not None:
+        return head_dim, triton.next_power_of_2(head_dim), D // head_dim
+    block = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
+    return block, block, triton.cdiv(D, block)
+
+
+def _flags(bias, state, positions, mask, head_dim) -> dict:
+    return dict(HAS_BIAS=bias is not None, HAS_STATE=state is not None, HAS_POSITIONS=positions is not None,
+                HAS_MASK=mask is not None, NORMALIZE=head_dim is not None)
+
+
+def conv_forward(x, weight, bias, state, positions, mask, y, head_dim: int | None, eps: float) -> None:
+    """Launch the forward: writes ``y`` ``[B, T, D]`` (contiguous tensors; weight ``[D, W]``)."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    CH, BD, channel_programs = _channel_blocks(D, head_dim)
+    _conv_forward_kernel[(triton.cdiv(T, STEP_BLOCK), channel_programs, B)](
+        x, weight, x if bias is None else bias, x if state is None else state,
+        x if positions is None else positions, x if mask is None else mask, y,
+        T, D, eps, W=W, CH=CH, BT=STEP_BLOCK, BD=BD, **_flags(bias, state, positions, mask, head_dim),
+        num_warps=FORWARD_WARPS,
+    )
+
+
+def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | None, eps: float):
+    """Launch the backward; returns ``(dx, d_weight [D, W] float32, d_bias [D] float32 or None,
+    d_state or None)``."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    CH, BD, channel_programs = _channel_blocks(D, head_dim)
+    row_blocks = triton.cdiv(T, STEP_BLOCK)
+    P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs)))
+    dx = torch.empty_like(x)
+    d_state = None if state is None else torch.empty_like(state)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    d_weight_parts = torch.empty(B * P, D, W, **f32)
+    d_bias_parts = torch.empty(B * P, D, **f32) if bias is not None else d_weight_parts
+    _conv_backward_kernel[(P, channel_programs, B)](
+        x, weight, x if bias is None else bias, x if state is None else state,
+        x if positions is None else positions, x if mask is None else mask, dy,
+        dx, d_weight_parts, d_bias_parts, dx if d_state is None else d_state,
+        T, D, eps, P, row_blocks,
+        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=STEP_BLOCK, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
+        **_flags(bias, state, positions, mask, head_dim),
+        num_warps=BACKWARD_WARPS,
+    )
+    d_bias = d_bias_parts.sum(0) if bias is not None else None
+    return dx, d_weight_parts.sum(0), d_bias, d_state
+
+
+class ShortConvolutionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, positions, mask, head_dim, eps, out_dtype):
+        D, W = weight.shape[0], weight.shape[-1]
+        weight2 = weight.reshape(D, W).contiguous()
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        conv_forward(x, weight2, bias, state, positions, mask, y, head_dim, eps)
+        ctx.save_for_backward(x, weight2, bias, state, positions, mask)
+        ctx.head_dim, ctx.eps, ctx.weight_shape = head_dim, eps, weight.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight2, bias, state, positions, mask = ctx.saved_tensors
+        dx, d_weight, d_bias, d_state = conv_backward(
+            x, weight2, bias, state, positions, mask, dy.contiguous(), ctx.head_dim, ctx.eps
+        )
+        d_weight = d_weight.reshape(ctx.weight_shape).to(weight2.dtype)
+        d_bias = None if d_bias is None else d_bias.to(bias.dtype)
+        return dx, d_weight, d_bias, d_state, None, None, None, None, None
+
+
+def _tensor(name: str, value, ndim: int, device) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, received {type(value).__name__}")
+    if value.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, received shape {list(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, received one on {value.device}")
+
+
+def short_convolution(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    *,
+    head_dim: int | None = None,
+    eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``silu(causal depthwise conv(x))`` (then L2-normalised per head of ``head_dim`` channels).
+
+    Args: x ``[B, T, D]``; weight ``[D, 1, W]``; bias ``[D]`` or None; state ``[B, W - 1, D]`` or
+    None (zeros); positions ``[B, T]`` integer or None; mask ``[B, T]`` bool or None;
+    ``head_dim``: normalise each group of ``head_dim`` channels (None: no normalisation, ``D``
+    must be a multiple); ``out_dtype``: of the result (default x's).
+
+    Returns ``y`` ``[B, T, D]``, differentiable in x, weight, bias and state. The new decode
+    state is not computed here: it is the last ``W - 1`` rows of ``cat(state, x)``.
+    """
+    _tensor("x", x, 3, x.device)
+    B, T, D = x.shape
+    _tensor("weight", weight, 3, x.device)
+    if weight.shape[0] != D or weight.shape[1] != 1:
+        raise ValueError(f"weight: expected shape [{D}, 1, W], received {list(weight.shape)}")
+    W = weight.shape[2]
+    if bias is not None:
+        _tensor("bias", bias, 1, x.device)
+        if bias.shape[0] != D:
+            raise ValueError(f"bias: expected shape [{D}], received {list(bias.shape)}")
+    if state is not None:
+        _tensor("state", state, 3, x.device)
+        if tuple(state.shape) != (B, W - 1, D):
+            raise ValueError(f"state: expected shape {[B, W - 1, D]}, received {list(state.shape)}")
+        state = state.contiguous() if W > 1 else None
+    if positions is not None:
+        _tensor("positions", positions, 2, x.device)
+        if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions: expected an int32/int64 tensor of shape {[B, T]}, received "
+                             f"{str(positions.dtype).rsplit('.', 1)[-1]} {list(positions.shape)}")
+        positions = positions.contiguous()
+    if mask is not None:
+        _tensor("mask", mask, 2, x.device)
+        if tuple(mask.shape) != (B, T) or mask.dtype != torch.bool:
+            raise ValueError(f"mask: expected a bool tensor of shape {[B, T]}, received "
+                             f"{str(mask.dtype).rsplit('.', 1)[-1]} {list(mask.shape)}")
+        mask = mask.contiguous().view(torch.uint8)
+    if head_dim is not None and (head_dim < 1 or D % head_dim):
+        raise ValueError(f"head_dim: expected a divisor of the {D} channels, received {head_dim}")
+    return ShortConvolutionFunction.apply(
+        x.contiguous(), weight, bias, state, positions, mask, head_dim, float(eps), out_dtype or x.dtype
+    )

@@ -1,0 +1,170 @@
+"""Triton kernels of the layer's gates, each a ``torch.autograd.Function`` with float32 results
+(the operator's cumulative sums of ``g`` need them):
+
+* ``decay_gate(f, A_log, dt_bias)``: ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` per channel
+  of ``[..., H * K]`` (head ``h`` = channel // K); softplus as ``torch.nn.functional.softplus``
+  (the identity above 20).
+* ``sigmoid_gate(x, scale)``: ``scale * sigmoid(x)`` (the erase gate, ``scale`` 2 with negative
+  eigenvalues allowed, and the write gate).
+
+The decay's backward sums the gradients of ``A_log`` and ``dt_bias`` over the rows in registers
+(a fixed number of programs, each walking several row blocks) and adds the programs' partial sums
+with one ``torch.sum``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+WARPS = 4
+ROW_BLOCK = 32
+CHANNEL_BLOCK = 128
+ELEMENT_BLOCK = 4096
+BACKWARD_PROGRAMS = 1024
+
+
+@triton.jit
+def _softplus(x):
+    """``log(1 + e^x)``, accurate for very negative x (``log1p`` by Goldberg's correction)."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    exact = w == 1.0  # u below half an ulp of 1: log1p(u) = u
+    log1p = tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
+def _decay_forward_kernel(f, A_log, dt_bias, g, R, D, K, BR: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    col_ok = cols < D
+    ok = (rows < R)[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    rate = tl.exp(tl.load(A_log + cols // K, mask=col_ok, other=0.0).to(tl.float32))
+    shift = tl.load(dt_bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x = tl.load(f + offsets, mask=ok, other=0.0).to(tl.float32) + shift[None, :]
+    tl.store(g + offsets, -rate[None, :] * _softplus(x), mask=ok)
+
+
+@triton.jit
+def _decay_backward_kernel(
+    f, A_log, dt_bias, dg, df, d_shift_parts, d_rate_parts,  # [R, D] x4 and [P, D] float32 x2
+    R, D, K, P, row_blocks, BR: tl.constexpr, BD: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    col_ok = cols < D
+    rate = tl.exp(tl.load(A_log + cols // K, mask=col_ok, other=0.0).to(tl.float32))
+    shift = tl.load(dt_bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+    d_shift = tl.zeros((BD,), dtype=tl.float32)
+    d_rate = tl.zeros((BD,), dtype=tl.float32)  # sum of dg * g: the gradient of A_log, per channel
+    for block in range(i_p, row_blocks, P):
+        rows = (block * BR + tl.arange(0, BR)).to(tl.int64)
+        ok = (rows < R)[:, None] & col_ok[None, :]
+        offsets = rows[:, None] * D + cols[None, :]
+        x = tl.load(f + offsets, mask=ok, other=0.0).to(tl.float32) + shift[None, :]
+        d_g = tl.load(dg + offsets, mask=ok, other=0.0).to(tl.float32)
+        slope = tl.where(x > 20.0, 1.0, tl.sigmoid(x))  # softplus'
+        d_x = -rate[None, :] * slope * d_g
+        tl.store(df + offsets, d_x.to(df.dtype.element_ty), mask=ok)
+        d_shift += tl.sum(d_x, 0)
+        d_rate += tl.sum(tl.where(ok, d_g * (-rate[None, :] * _softplus(x)), 0.0), 0)
+    tl.store(d_shift_parts + i_p * D + cols, d_shift, mask=col_ok)
+    tl.store(d_rate_parts + i_p * D + cols, d_rate, mask=col_ok)
+
+
+class DecayGateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, f, A_log, dt_bias):
+        D = f.shape[-1]
+        R, K = f.numel() // D, D // A_log.shape[0]
+        g = torch.empty(f.shape, dtype=torch.float32, device=f.device)
+        BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
+        _decay_forward_kernel[(triton.cdiv(R, ROW_BLOCK), triton.cdiv(D, BD))](
+            f, A_log, dt_bias, g, R, D, K, BR=ROW_BLOCK, BD=BD, num_warps=WARPS
+        )
+        ctx.save_for_backward(f, A_log, dt_bias)
+        return g
+
+    @staticmethod
+    def backward(ctx, dg):
+        f, A_log, dt_bias = ctx.saved_tensors
+        D = f.shape[-1]
+        H = A_log.shape[0]
+        R, K = f.numel() // D, D // H
+        BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
+        channel_programs = triton.cdiv(D, BD)
+        row_blocks = triton.cdiv(R, ROW_BLOCK)
+        P = max(1, min(row_blocks, BACKWARD_PROGRAMS // channel_programs))
+        df = torch.empty_like(f)
+        d_shift_parts, d_rate_parts = (torch.empty(P, D, dtype=torch.float32, device=f.device) for _ in range(2))
+        _decay_backward_kernel[(P, channel_programs)](
+            f, A_log, dt_bias, dg.contiguous(), df, d_shift_parts, d_rate_parts, R, D, K, P, row_blocks,
+            BR=ROW_BLOCK, BD=BD, num_warps=WARPS,
+        )
+        d_A_log = d_rate_parts.sum(0).view(H, K).sum(1).to(A_log.dtype)
+        return df, d_A_log, d_shift_parts.sum(0).to(dt_bias.dtype)
+
+
+def decay_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """``-exp(A_log[h]) * softplus(f + dt_bias)``, float32, f's shape.
+
+    Args: f ``[..., H * K]`` (any float dtype); A_log ``[H]``; dt_bias ``[H * K]``. Differentiable
+    in all three.
+    """
+    for name, value in (("f", f), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, received {type(value).__name__}")
+    D = f.shape[-1]
+    if tuple(dt_bias.shape) != (D,):
+        raise ValueError(f"dt_bias: expected shape [{D}] (f's last dimension), received {list(dt_bias.shape)}")
+    if A_log.ndim != 1 or A_log.shape[0] < 1 or D % A_log.shape[0]:
+        raise ValueError(f"A_log: expected shape [H] with H dividing {D}, received {list(A_log.shape)}")
+    return DecayGateFunction.apply(f.contiguous(), A_log.contiguous(), dt_bias.contiguous())
+
+
+@triton.jit
+def _sigmoid_forward_kernel(x, y, N, scale, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < N
+    value = tl.load(x + offsets, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y + offsets, scale * tl.sigmoid(value), mask=ok)
+
+
+@triton.jit
+def _sigmoid_backward_kernel(x, dy, dx, N, scale, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < N
+    opening = tl.sigmoid(tl.load(x + offsets, mask=ok, other=0.0).to(tl.float32))
+    d_out = tl.load(dy + offsets, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dx + offsets, (d_out * scale * opening * (1.0 - opening)).to(dx.dtype.element_ty), mask=ok)
+
+
+class SigmoidGateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        N = x.numel()
+        _sigmoid_forward_kernel[(triton.cdiv(N, ELEMENT_BLOCK),)](x, y, N, scale, BLOCK=ELEMENT_BLOCK, num_warps=WARPS)
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        N = x.numel()
+        _sigmoid_backward_kernel[(triton.cdiv(N, ELEMENT_BLOCK),)](
+            x, dy.contiguous(), dx, N, ctx.scale, BLOCK=ELEMENT_BLOCK, num_warps=WARPS
+        )
+        return dx, None
+
+
+def sigmoid_gate(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale * sigmoid(x)``, float32, x's shape; differentiable in x."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, received {type(x).__name__}")
+    return SigmoidGateFunction.apply(x.contiguous(), float(scale))

@@ -1,0 +1,409 @@
+"""The layer's fused Triton kernels (``gdn2/torch/triton/conv.py``, ``norm.py``, ``gates.py``) under
+the Triton interpreter against the plain PyTorch layer code, forward and every gradient; and the
+whole layer with the kernels against the layer without them.
+
+Float32 inputs: the kernels compute in float32 as the plain code does, so results agree to
+rounding (1e-5 relative). bfloat16 inputs: compared with the plain code run in float32 on the
+same (rounded) values; the gradients returned in bfloat16 set the tolerance (2e-2).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+from triton.errors import TritonError  # noqa: E402
+
+from gdn2.testing import assert_close  # noqa: E402
+from gdn2.torch import layer as layer_module  # noqa: E402
+from gdn2.torch.layer import GatedDeltaNet2, GatedRMSNorm, ShortConvolution, l2_normalize  # noqa: E402
+from gdn2.torch.triton import conv, gates, norm  # noqa: E402
+
+TIGHT, LOOSE = 1e-5, 2e-2
+DTYPES = {"float32": (torch.float32, TIGHT), "bfloat16": (torch.bfloat16, LOOSE)}
+
+
+def close(name, got, expected, tolerance):
+    assert got.shape == expected.shape, f"{name}: shape {list(got.shape)} != {list(expected.shape)}"
+    assert_close(name, got.detach().double().numpy(), expected.detach().double().numpy(), tolerance)
+
+
+def gradients(output, inputs, d_output):
+    return torch.autograd.grad(output, inputs, d_output)
+
+
+def leaf(t, dtype=torch.float32):
+    return t.to(dtype).detach().requires_grad_(True)
+
+
+# ---- short convolution ------------------------------------------------------------------------
+
+# (B, T, D, W, head_dim): T = 1, T below one block of 32 steps, T over several blocks and not a
+# multiple of one, a width of 3 (not a power of two), a head of 12 channels (not a power of two).
+CONV_SHAPES = {
+    "T1": (2, 1, 16, 4, 8),
+    "T37": (2, 37, 24, 4, None),
+    "T70-heads": (1, 70, 24, 4, 12),
+    "W3": (2, 19, 16, 3, 8),
+}
+
+
+def conv_case(shape, seed, *, bias, state, mask, packed=None):
+    B, T, D, W, _ = shape
+    generator = torch.Generator().manual_seed(seed)
+    module = ShortConvolution(D, W, bias)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+        if bias:
+            module.bias.copy_(torch.randn(D, generator=generator))
+    case = dict(
+        module=module,
+        x=torch.randn(B, T, D, generator=generator),
+        state=torch.randn(B, W - 1, D, generator=generator) if state else None,
+        mask=(torch.rand(B, T, generator=generator) > 0.3) if mask else None,
+        positions=None,
+        d_y=torch.randn(B, T, D, generator=generator),
+    )
+    if packed is not None:
+        assert B == 1 and sum(packed) == T
+        case["positions"] = np.concatenate([np.arange(n) for n in packed])
+    return case
+
+
+def plain_conv(case, x, weight, bias, state, head_dim):
+    """The layer's plain code: masked input, ``ShortConvolution``, then ``l2_normalize`` per head."""
+    module = case["module"]
+    mask = case["mask"]
+    inputs = x if mask is None else x * mask[..., None].to(x.dtype)
+    parameters = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+    y, _ = torch.func.functional_call(module, parameters, (inputs, state, case["positions"]))  # the module's code, these leaves
+    if head_dim is not None:
+        B, T, D = y.shape
+        y = l2_normalize(y.view(B, T, D // head_dim, head_dim)).view(B, T, D)
+    return y
+
+
+def compare_conv(case, head_dim, dtype, tolerance):
+    module = case["module"]
+    leaves = {"x": leaf(case["x"], dtype), "weight": leaf(module.weight)}
+    if module.bias is not None:
+        leaves["bias"] = leaf(module.bias)
+    if case["state"] is not None:
+        leaves["state"] = leaf(case["state"], dtype)
+    positions = None if case["positions"] is None else torch.as_tensor(case["positions"])[None]
+    fused = conv.short_convolution(
+        leaves["x"], leaves["weight"], leaves.get("bias"), leaves.get("state"), positions, case["mask"],
+        head_dim=head_dim, out_dtype=torch.float32,
+    )
+    reference_leaves = {name: leaf(value.detach().float()) for name, value in leaves.items()}
+    expected = plain_conv(case, reference_leaves["x"], reference_leaves["weight"], reference_leaves.get("bias"),
+                          reference_leaves.get("state"), head_dim)
+    close("y", fused, expected, tolerance)
+    names = list(leaves)
+    got = gradients(fused, [leaves[n] for n in names], case["d_y"])
+    want = gradients(expected, [reference_leaves[n] for n in names], case["d_y"])
+    for name, g, e in zip(names, got, want):
+        assert g.dtype == leaves[name].dtype
+        close(f"d{name}", g, e, tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+def test_short_convolution_matches_the_plain_code(shape, dtype, seed):
+    dims = CONV_SHAPES[shape]
+    case = conv_case(dims, seed, bias=True, state=True, mask=False)
+    compare_conv(case, dims[4], *DTYPES[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [None, 8])
+def test_short_convolution_without_bias_or_state_with_padding(head_dim, seed):
+    case = conv_case((3, 23, 16, 4, head_dim), seed, bias=False, state=False, mask=True)
+    compare_conv(case, head_dim, torch.float32, TIGHT)
+
+
+@pytest.mark.parametrize("head_dim", [None, 8])
+def test_short_convolution_restarts_at_packed_sequences(head_dim, seed):
+    lengths = [1, 5, 2, 30, 3]  # a sequence of one token, and one across the block boundary
+    case = conv_case((1, sum(lengths), 16, 4, head_dim), seed, bias=True, state=False, mask=False, packed=lengths)
+    compare_conv(case, head_dim, torch.float32, TIGHT)
+
+
+def test_short_convolution_backward_walks_several_blocks_per_program(monkeypatch, seed):
+    """One backward program per channel block and row: it sums the weight gradient over all blocks."""
+    monkeypatch.setattr(conv, "BACKWARD_PROGRAMS", 1)
+    case = conv_case((2, 100, 24, 4, 12), seed, bias=True, state=True, mask=True)
+    compare_conv(case, 12, torch.float32, TIGHT)
+
+
+def test_short_convolution_rejects_bad_arguments():
+    x, weight = torch.zeros(2, 5, 8), torch.zeros(8, 1, 4)
+    with pytest.raises(ValueError, match=r"weight: expected 3 dimensions, received shape \[8, 4\]"):
+        conv.short_convolution(x, torch.zeros(8, 4))
+    with pytest.raises(ValueError, match=r"weight: expected shape \[8, 1, W\], received \[6, 1, 4\]"):
+        conv.short_convolution(x, torch.zeros(6, 1, 4))
+    with pytest.raises(ValueError, match=r"state: expected shape \[2, 3, 8\], received \[2, 4, 8\]"):
+        conv.short_convolution(x, weight, state=torch.zeros(2, 4, 8))
+    with pytest.raises(ValueError, match="mask: expected a bool tensor of shape"):
+        conv.short_convolution(x, weight, mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="positions: expected an int32/int64 tensor"):
+        conv.short_convolution(x, weight, positions=torch.zeros(1, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="head_dim: expected a divisor of the 8 channels, received 3"):
+        conv.short_convolution(x, weight, head_dim=3)
+    with pytest.raises(ValueError, match="x: expected 3 dimensions"):
+        conv.short_convolution(torch.zeros(5, 8), weight)
+
+
+# ---- norms ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("rows, heads, head_dim", [(1, 1, 8), (37, 3, 12), (300, 2, 16)])
+def test_l2_normalize_matches_the_plain_code(rows, heads, head_dim, silu, dtype, seed):
+    torch_dtype, tolerance = DTYPES[dtype]
+    generator = torch.Generator().manual_seed(seed)
+    x = leaf(torch.randn(rows, heads * head_dim, generator=generator) * 3, torch_dtype)
+    d_y = torch.randn(rows, heads * head_dim, generator=generator)
+    fused = norm.l2_normalize(x, head_dim, silu=silu, out_dtype=torch.float32)
+    x_ref = leaf(x.detach().float())
+    activated = F.silu(x_ref) if silu else x_ref
+    expected = l2_normalize(activated.view(rows, heads, head_dim)).view(rows, -1)
+    close("y", fused, expected, tolerance)
+    close("dx", gradients(fused, [x], d_y)[0], gradients(expected, [x_ref], d_y)[0], tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, V, programs", [(1, 1, 1, 8, None), (2, 37, 3, 12, None), (2, 45, 2, 32, 3)])
+def test_gated_rms_norm_matches_the_plain_code(B, T, H, V, programs, dtype, monkeypatch, seed):
+    """x float32 (the operator's output), gate in the projections' dtype, the result in the dtype
+    of the output projection; ``programs``: fewer backward programs than row blocks."""
+    torch_dtype, tolerance = DTYPES[dtype]
+    if programs is not None:
+        monkeypatch.setattr(norm, "BACKWARD_PROGRAMS", programs)
+        monkeypatch.setattr(norm, "TILE_ELEMENTS", 4 * 32)
+    generator = torch.Generator().manual_seed(seed)
+    module = GatedRMSNorm(V, eps=1e-5)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(V, generator=generator) + 0.5)
+    x = leaf(torch.randn(B, T, H, V, generator=generator))
+    gate = leaf(torch.randn(B, T, H * V, generator=generator) * 2, torch_dtype)
+    weight = leaf(module.weight)
+    d_y = torch.randn(B, T, H, V, generator=generator)
+    fused = norm.gated_rms_norm(x, gate, weight, eps=module.eps, out_dtype=torch_dtype)
+    assert fused.dtype == torch_dtype and fused.shape == x.shape
+    x_ref, gate_ref, weight_ref = leaf(x.detach()), leaf(gate.detach().float()), leaf(weight.detach())
+    expected = torch.func.functional_call(module, {"weight": weight_ref}, (x_ref, gate_ref.view(B, T, H, V)))
+    close("y", fused, expected, tolerance)
+    got = gradients(fused, [x, gate, weight], d_y)
+    want = gradients(expected, [x_ref, gate_ref, weight_ref], d_y)
+    for name, g, e in zip(["dx", "dgate", "dweight"], got, want):
+        close(name, g, e, tolerance)
+
+
+def test_norms_reject_bad_arguments():
+    with pytest.raises(ValueError, match="head_dim: expected a divisor of x's last dimension 12, received 5"):
+        norm.l2_normalize(torch.zeros(3, 12), 5)
+    with pytest.raises(ValueError, match="weight: expected one dimension"):
+        norm.gated_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="gate: expected 16 elements"):
+        norm.gated_rms_norm(torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(8))
+
+
+# ---- gates ------------------------------------------------------------------------------------
+
+
+def plain_decay(f, A_log, dt_bias):
+    H = A_log.shape[0]
+    *lead, D = f.shape
+    g = F.softplus(f.float() + dt_bias.float()).view(*lead, H, D // H)
+    return (-A_log.float().exp()[:, None] * g).view(*lead, D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, K, programs", [(1, 1, 1, 8, None), (2, 37, 3, 12, None), (2, 70, 2, 16, 2)])
+def test_decay_gate_matches_the_plain_code(B, T, H, K, programs, dtype, monkeypatch, seed):
+    """f spans softplus's three regimes: far below zero (log1p), around zero, above 20 (identity)."""
+    torch_dtype, tolerance = DTYPES[dtype]
+    if programs is not None:
+        monkeypatch.setattr(gates, "BACKWARD_PROGRAMS", programs)
+    generator = torch.Generator().manual_seed(seed)
+    f = leaf(torch.randn(B, T, H * K, generator=generator) * 12, torch_dtype)
+    A_log = leaf(torch.randn(H, generator=generator))
+    dt_bias = leaf(torch.randn(H * K, generator=generator))
+    d_g = torch.randn(B, T, H * K, generator=generator)
+    fused = gates.decay_gate(f, A_log, dt_bias)
+    assert fused.dtype == torch.float32
+    refs = [leaf(t.detach().float()) for t in (f, A_log, dt_bias)]
+    expected = plain_decay(*refs)
+    close("g", fused, expected, TIGHT)  # float32 math on the same values
+    got, want = gradients(fused, [f, A_log, dt_bias], d_g), gradients(expected, refs, d_g)
+    for name, g, e in zip(["df", "dA_log", "ddt_bias"], got, want):
+        close(name, g, e, tolerance)
+
+
+def test_decay_gate_softplus_is_accurate_far_below_zero():
+    """softplus(-30) = 9.4e-14: a plain log(1 + e^x) in float32 would give 0."""
+    f = torch.tensor([[-80.0, -30.0, -17.0, -5.0, 0.0, 5.0, 19.9, 20.1, 60.0]])
+    fused = gates.decay_gate(f, torch.zeros(1), torch.zeros(9))
+    expected = -F.softplus(f.double())
+    np.testing.assert_allclose(fused.double().numpy(), expected.numpy(), rtol=2e-6, atol=1e-40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_sigmoid_gate_matches_the_plain_code(scale, dtype, seed):
+    torch_dtype, tolerance = DTYPES[dtype]
+    generator = torch.Generator().manual_seed(seed)
+    x = leaf(torch.randn(3, 1 + 4096 // 7, 7, generator=generator) * 4, torch_dtype)  # not a multiple of the block
+    d_y = torch.randn(x.shape, generator=generator)
+    fused = gates.sigmoid_gate(x, scale)
+    x_ref = leaf(x.detach().float())
+    expected = torch.sigmoid(x_ref) * scale
+    assert fused.dtype == torch.float32
+    close("y", fused, expected, TIGHT)
+    close("dx", gradients(fused, [x], d_y)[0], gradients(expected, [x_ref], d_y)[0], tolerance)
+
+
+def test_gates_reject_bad_arguments():
+    with pytest.raises(ValueError, match=r"dt_bias: expected shape \[12\]"):
+        gates.decay_gate(torch.zeros(2, 12), torch.zeros(3), torch.zeros(6))
+    with pytest.raises(ValueError, match=r"A_log: expected shape \[H\] with H dividing 12, received \[5\]"):
+        gates.decay_gate(torch.zeros(2, 12), torch.zeros(5), torch.zeros(12))
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor, received list"):
+        gates.sigmoid_gate([1.0])
+
+
+# ---- the whole layer --------------------------------------------------------------------------
+
+MIXERS = {
+    "plain": dict(hidden_size=32, head_dim=8, num_heads=2),
+    "grouped": dict(hidden_size=24, head_dim=8, num_heads=2, num_v_heads=4, expand_v=0.5, allow_neg_eigval=True, conv_bias=True),
+    "no_conv": dict(hidden_size=16, head_dim=8, num_heads=2, expand_v=2.0, use_short_conv=False),
+}
+
+
+def random_layer(kwargs, seed):
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet2(**kwargs, chunk_size=8, path="chunk")
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith(("o_norm.weight", ".bias")):  # away from their initial values, so that they matter
+                p.uniform_(0.5, 1.5)
+    return layer
+
+
+def layer_outputs(layer, use_kernels, x, d_y, **kwargs):
+    layer.use_kernels = use_kernels
+    x = leaf(x.detach(), x.dtype)
+    y = layer(x, **kwargs)
+    names = ["x"] + [name for name, _ in layer.named_parameters()]
+    values = gradients(y, [x] + list(layer.parameters()), d_y)
+    return y, dict(zip(names, values))
+
+
+def compare_layer(layer, x, tolerance, **kwargs):
+    d_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    expected, want = layer_outputs(layer, False, x, d_y, **kwargs)
+    fused, got = layer_outputs(layer, True, x, d_y, **kwargs)
+    close("output", fused, expected, tolerance)
+    for name in want:
+        close(f"d {name}", got[name], want[name], tolerance)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_layer_with_kernels_matches_the_plain_layer(mixer, seed):
+    layer = random_layer(MIXERS[mixer], seed)
+    x = torch.randn(2, 21, MIXERS[mixer]["hidden_size"], generator=torch.Generator().manual_seed(seed))
+    compare_layer(layer, x, TIGHT)
+
+
+def test_layer_with_kernels_and_padding_or_packed_sequences(seed):
+    layer = random_layer(MIXERS["grouped"], seed)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 13, 24, generator=generator)
+    mask = torch.ones(2, 13, dtype=torch.int64)
+    mask[0, :4] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    compare_layer(layer, x, TIGHT, attention_mask=mask)
+    packed = torch.randn(1, 26, 24, generator=generator)
+    compare_layer(layer, packed, TIGHT, cu_seqlens=torch.tensor([0, 1, 12, 26]))
+
+
+def test_layer_with_kernels_under_bfloat16_autocast(seed):
+    layer = random_layer(MIXERS["plain"], seed)
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(seed))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compare_layer(layer, x, 3e-2)
+
+
+def test_layer_with_kernels_decodes_from_its_cache(seed):
+    """Prefill then token by token: outputs and caches as the plain layer's."""
+    layer = random_layer(MIXERS["grouped"], seed)
+    x = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(seed))
+    results = {}
+    with torch.no_grad():
+        for use_kernels in (False, True):
+            layer.use_kernels = use_kernels
+            cache = layer_module.GDN2Cache()
+            outputs = [layer(x[:, :4], cache=cache)] + [layer(x[:, t : t + 1], cache=cache) for t in range(4, 7)]
+            results[use_kernels] = torch.cat(outputs, 1), cache
+    (expected, cache), (fused, fused_cache) = results[False], results[True]
+    close("outputs", fused, expected, TIGHT)
+    close("recurrent state", fused_cache.recurrent_state, cache.recurrent_state, TIGHT)
+    for got, want in zip(fused_cache.conv_state, cache.conv_state):
+        close("conv state", got, want, 0.0)
+
+
+def test_which_glue_choices(monkeypatch, fresh_path_log):
+    layer = GatedDeltaNet2(hidden_size=16, head_dim=8, num_heads=2)
+    x = torch.zeros(1, 3, 16)
+    monkeypatch.delenv("GDN2_LAYER_KERNELS", raising=False)
+    assert layer.which_glue(x).path == "plain"  # automatic: CPU tensors keep the plain code
+    assert "automatic" in layer.which_glue(x).reason
+    monkeypatch.setenv("GDN2_LAYER_KERNELS", "1")
+    assert layer.which_glue(x).path == "kernels"
+    monkeypatch.setenv("GDN2_LAYER_KERNELS", "yes")
+    with pytest.raises(ValueError, match="GDN2_LAYER_KERNELS: expected 0 or 1, received 'yes'"):
+        layer.which_glue(x)
+    layer.use_kernels = False  # the attribute comes before the environment
+    assert layer.which_glue(x).path == "plain"
+    layer.use_kernels = True
+    with pytest.warns(RuntimeWarning, match="fused kernels requested but unavailable: dtype float64"):
+        assert layer.which_glue(x.double()).path == "plain"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.warns(RuntimeWarning, match="fused kernels requested but unavailable: tensors on cpu"):
+        choice = layer.which_glue(x)
+    assert choice.path == "plain" and choice.gave_way
+    with pytest.raises(ValueError, match="use_kernels: expected None, True or False, received 'yes'"):
+        GatedDeltaNet2(hidden_size=16, head_dim=8, num_heads=2, use_kernels="yes")
+
+
+def test_a_failing_kernel_gives_way_to_the_plain_code_with_one_warning(monkeypatch, fresh_path_log, seed):
+    layer = random_layer(MIXERS["plain"], seed)
+    x = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(seed))
+    layer.use_kernels = False
+    with torch.no_grad():
+        expected = layer(x)
+
+    def fails(*arguments, **options):
+        raise TritonError("out of resources (a test)")
+
+    monkeypatch.setattr(conv, "short_convolution", fails)
+    monkeypatch.setattr(layer_module, "_glue_failure", None)
+    layer.use_kernels = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            first, second = layer(x), layer(x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 2, messages  # the failure, then the choice that follows from it
+    assert "fused kernels failed: TritonError: out of resources (a test)" in messages[0]
+    assert "they failed earlier in this process" in messages[1]
+    close("output after the failure", first, expected, 0.0)
+    close("output of the next call", second, expected, 0.0)
