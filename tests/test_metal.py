@@ -290,3 +290,38 @@ def test_recurrent_decode_step_runs_the_kernel(harness_launches, seed):
     assert "gdn2_scan_forward" in harness_launches
     assert_close("o (recurrent decode)", as64(o), case["expected"]["o"], 2e-5)
     assert_close("final_state (recurrent decode)", as64(state), case["expected"]["final_state"], 2e-5)
+
+
+# ---- bad values stay causal -------------------------------------------------------------------
+
+
+def spec_with_bad_values(case: dict) -> dict:
+    with np.errstate(all="ignore"):
+        o, final_state = spec.reference_forward(**case["inputs"])
+    return dict(o=o, final_state=final_state)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name,value", [("v", np.nan), ("k", np.nan), ("g", np.nan), ("b", np.inf)])
+def test_a_bad_value_reaches_no_earlier_output(kind, name, value, monkeypatch, seed):
+    """A NaN or Inf at step t (mid-chunk) reaches outputs at t and after, never before, and the
+    outputs from t on are non-finite exactly where the spec's are: the chunked kernels' products
+    with lower-triangular tiles sum only k <= i (the matrix units would multiply the zeros above
+    the diagonal by the bad row)."""
+    monkeypatch.setenv("GDN2_METAL_KERNEL", kind)
+    case = make_case(2, 21, 2, 16, 6, seed, log_decay_range=(-5.0, 0.0), reference=False)
+    clean = spec_with_bad_values(case)
+    t = 7  # inside the first chunk of 16, and not a block boundary
+    case["inputs"][name][1, t, 0, 2] = value
+    bad = spec_with_bad_values(case)
+    a = mlx_arrays(case, "float32")
+    with metal.use_launcher(harness.harness_launcher), metal.use_geometry(**SMALL):
+        o, final = metal.metal_gdn2(*(a[n] for n in spec.INPUT_NAMES), scale=0.25, initial_state=a["initial_state"],
+                                    output_final_state=True)
+    o, final = as64(o), as64(final)
+    assert_close("o before the bad step", o[:, :t], clean["o"][:, :t], 2e-5)
+    assert_close("o of the other batch row", o[0], clean["o"][0], 2e-5)
+    for label, got, expected in (("o", o, bad["o"]), ("final_state", final, bad["final_state"])):
+        finite = np.isfinite(expected)
+        assert (np.isfinite(got) == finite).all(), f"{label}: non-finite elsewhere than the spec"
+        assert_close(f"{label} where finite", got[finite], expected[finite], 2e-5)

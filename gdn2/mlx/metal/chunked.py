@@ -16,9 +16,9 @@ time at B=8 T=4096 H=16 on an M3 Max (40-core GPU, 14.2 TFLOP/s fp32, 400 GB/s; 
 tiles assumed to run at half of the fp32 peak):
 
     kernel                         kFLOP   bytes    est. ms   threadgroup memory  registers/thread (est.)
-    INTRA                           12.2    1280     1.7      27.6 kB             ~40
-    FORWARD                        114.7    2048     8.5      16.5 kB             ~75 (K=128), ~105 (K=256)
-    FORWARD saving states and U    114.7    4608     8.5      16.5 kB             as FORWARD
+    INTRA                           12.2    1280     1.7      28.7 kB             ~40
+    FORWARD                        114.7    2048     8.5      17.5 kB             ~75 (K=128), ~105 (K=256)
+    FORWARD saving states and U    114.7    4608     8.5      17.5 kB             as FORWARD
     STATE_BACKWARD                 114.7    5120     8.5      16.5 kB             as FORWARD
     BACKWARD                       141.8    7424    10.5      27.7 kB             ~45
 
@@ -27,6 +27,8 @@ tiles assumed to run at half of the fp32 peak):
 
 Registers: FORWARD and STATE_BACKWARD hold the simdgroup's 8 columns of the state as ceil(K / 8)
 tiles (2 floats per lane each) plus 2 * C / 8 accumulator tiles; the others hold a few tiles.
+Products with a lower-triangular diagonal tile of the forward (the inverse, P) are summed per lane
+over k <= i (``lower_multiply_accumulate``), so a bad value at step t reaches no earlier output.
 Every kernel runs 128 threads (4 simdgroups); the threadgroup memory above is at C = 32 and
 K >= 32 (``threadgroup_bytes``; tests compare it with what the harness measures, all <= 32 KiB).
 
@@ -101,10 +103,11 @@ def threadgroup_bytes(kernel: str, K: int, geometry: ChunkGeometry) -> int:
     """Threadgroup memory one threadgroup of ``kernel`` declares (mirrors the sources)."""
     C = geometry.chunk
     right_rows = 4 * (C // 8) * (C // 8 - 1)
+    scratch = 64 * geometry.simdgroups  # an 8x8 tile per simdgroup (products with lower-triangular tiles)
     if kernel == "intra":
-        floats = (6 * C + right_rows) * geometry.intra_key_block + 3 * C * C
+        floats = (6 * C + right_rows) * geometry.intra_key_block + 3 * C * C + scratch
     elif kernel in ("forward", "state_backward"):
-        floats = 2 * C * C + 2 * C * geometry.key_block + geometry.key_block
+        floats = 2 * C * C + 2 * C * geometry.key_block + geometry.key_block + (scratch if kernel == "forward" else 0)
     elif kernel == "backward":
         floats = 2 * C * C + 16 * C * 8 + 2 * right_rows * 8 + 16
     else:

@@ -82,6 +82,25 @@ inline void store_masked(thread simdgroup_float8x8& m, P x, uint r0, uint rows, 
   }
 }
 
+// d += L r for a lower-triangular 8x8 tile L (threadgroup memory, rows ldl apart), each row i of
+// the product summed over k <= i only: the matrix units would multiply the zeros above L's
+// diagonal by later rows of r, and a NaN or Inf there (a bad input at a later step) would reach
+// earlier outputs. r goes through this simdgroup's 64 floats of `scratch`.
+inline void lower_multiply_accumulate(thread simdgroup_float8x8& d, const threadgroup float* L, uint ldl,
+                                      thread simdgroup_float8x8& r, threadgroup float* scratch, uint fm, uint fn) {
+  simdgroup_store(r, scratch, 8);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  float d0 = d.thread_elements()[0], d1 = d.thread_elements()[1];
+  for (uint k = 0; k <= fm; ++k) {
+    const float l = L[fm * ldl + k];
+    d0 += l * scratch[k * 8 + fn];
+    d1 += l * scratch[k * 8 + fn + 1];
+  }
+  d.thread_elements()[0] = d0;
+  d.thread_elements()[1] = d1;
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane has read r before scratch is reused
+}
+
 inline void tile_fill(thread simdgroup_float8x8& m, float value) {
   m = make_filled_simdgroup_matrix<float, 8>(value);
 }
@@ -144,6 +163,7 @@ INTRA_SOURCE = _PROLOGUE + """
     threadgroup float s_A[C * C];
     threadgroup float s_P[C * C];
     threadgroup float s_inv[C * C];
+    threadgroup float s_scratch[NS * 64];
 
     simdgroup_float8x8 acc[SLOTS];
     GDN2_UNROLL
@@ -308,8 +328,8 @@ INTRA_SOURCE = _PROLOGUE + """
                 simdgroup_load(x, s_inv + 8 * M * C + 8 * J, C);
                 simdgroup_multiply_accumulate(sum, a, x, sum);
             }
-            simdgroup_load(x, s_inv + 8 * I * C + 8 * I, C);
-            simdgroup_multiply(a, x, sum);
+            tile_fill(a, 0.0f);
+            lower_multiply_accumulate(a, s_inv + 8 * I * C + 8 * I, C, sum, s_scratch + 64 * sg, fm, fn);
             tile_negate(a);
             simdgroup_store(a, s_inv + 8 * I * C + 8 * J, C);
         }
@@ -401,6 +421,7 @@ FORWARD_OUTPUTS = ("o", "final_state", "checkpoints", "new_values")
 FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
     // Forward over the chunks of one (batch * head, value tile); meta[4] != 0: save the state
     // entering each chunk and U.
+    threadgroup float s_scratch[NS * 64];
     const bool save = meta[4] != 0;
     simdgroup_float8x8 S[KT];
     GDN2_UNROLL
@@ -457,20 +478,22 @@ FORWARD_SOURCE = _SEQUENTIAL_PROLOGUE + """
                 simdgroup_float8x8 sum, x;
                 tile_fill(sum, 0.0f);
                 GDN2_UNROLL
-                for (uint J = 0; J <= I; ++J) {
+                for (uint J = 0; J < I; ++J) {
                     simdgroup_load(x, s_inv + 8 * I * C + 8 * J, C);
                     simdgroup_multiply_accumulate(sum, x, acc_u[J], sum);
                 }
+                lower_multiply_accumulate(sum, s_inv + 8 * I * C + 8 * I, C, acc_u[I], s_scratch + 64 * sg, fm, fn);
                 acc_u[I] = sum;
             }
             // o = scale ((q e^G) S + P U)
             GDN2_UNROLL
             for (uint I = 0; I < NT; ++I) {
                 GDN2_UNROLL
-                for (uint J = 0; J <= I; ++J) {
+                for (uint J = 0; J < I; ++J) {
                     simdgroup_load(tile, s_P + 8 * I * C + 8 * J, C);
                     simdgroup_multiply_accumulate(acc_q[I], tile, acc_u[J], acc_q[I]);
                 }
+                lower_multiply_accumulate(acc_q[I], s_P + 8 * I * C + 8 * I, C, acc_u[I], s_scratch + 64 * sg, fm, fn);
                 store_masked<InT>(acc_q[I], o + value_base, t0 + 8 * I, steps, value_stride, col0, V, fm, fn,
                                   scale_value);
                 if (save) {
