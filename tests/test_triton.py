@@ -170,3 +170,39 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed):
     for name, value in result.items():
         error = float(np.linalg.norm(value - case["expected"][name]) / np.linalg.norm(case["expected"][name]))
         assert error <= 1e-4, (name, error, seed)
+
+
+def _compile_case(seed):
+    case = make_case(1, 20, 1, 16, 16, seed, reference=False)
+    (q, k, v, g, b, w), state = _inputs(case, torch.float32)
+    return [x.requires_grad_() for x in (q, k, v, g, b, w, state)]
+
+
+@kernel_only
+def test_kernel_operators_pass_opcheck(seed, interpreter):
+    """The kernels are PyTorch custom operators: schema, autograd registration, fake (shape-only)
+    implementation and AOT dispatch checked by ``torch.library.opcheck``."""
+    *inputs, state = _compile_case(seed)
+    result = torch.library.opcheck(torch.ops.gdn2.triton_forward.default, (*inputs, state, 0.25))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@kernel_only
+def test_kernel_path_compiles_without_graph_breaks(seed, interpreter):
+    """torch.compile of a function calling the kernel path: one graph, no break, same values and
+    gradients as eager."""
+    torch._dynamo.reset()
+    tensors = _compile_case(seed)
+
+    def loss(q, k, v, g, b, w, state):
+        o, final_state = kernel.triton_gdn2(q, k, v, g, b, w, scale=0.25, initial_state=state, output_final_state=True)
+        return (o * o).sum() + final_state.sum()
+
+    explanation = torch._dynamo.explain(loss)(*tensors)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    eager_grads = torch.autograd.grad(loss(*tensors), tensors)
+    compiled_grads = torch.autograd.grad(compiled(*tensors), tensors)
+    for eager, traced in zip(eager_grads, compiled_grads):
+        torch.testing.assert_close(traced, eager)

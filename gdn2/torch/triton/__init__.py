@@ -73,68 +73,106 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
     return None
 
 
-class TritonGDN2(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, b, w, initial_state, scale: float, output_final_state: bool):
-        ctx.set_materialize_grads(False)
-        q, k, v, g, b, w = (x.contiguous() for x in (q, k, v, g, b, w))
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        N = -(-T // CHUNK)
-        device = q.device
-        f32 = dict(dtype=torch.float32, device=device)
-        precision = _dot_precision(device)
-        G, qd, kd, Wk = (torch.empty(B, H, N * CHUNK, K, **f32) for _ in range(4))
-        Uw = torch.empty(B, H, N * CHUNK, V, **f32)
-        gamma = torch.empty(B, H, N, K, **f32)
-        P = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
-        inverse = torch.empty(B, H, N, CHUNK, CHUNK, **f32)
-        intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, inverse, precision)
+# The kernels run inside PyTorch custom operators (``gdn2::triton_forward``,
+# ``gdn2::triton_backward``) with their autograd and fake (shape-only) implementations registered,
+# so that torch.compile sees two opaque operators instead of breaking its graph at each launch.
+SAVED = ("G", "qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 
-        initial = None if initial_state is None else initial_state.contiguous()
-        states = torch.empty(B, H, N, K, V, **f32)
-        U = torch.empty(B, H, N * CHUNK, V, **f32)
-        final_state = torch.empty(B, H, K, V, **f32)
-        state_forward(Wk, kd, Uw, gamma, initial, states, U, final_state, precision)
-        o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
-        output(qd, P, states, U, o, scale, precision)
 
-        ctx.save_for_backward(q, k, v, g, b, w, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U)
-        ctx.scale = scale
-        ctx.has_initial = initial_state is not None
-        ctx.precision = precision
-        if not output_final_state:
-            ctx.mark_non_differentiable(final_state)
-        return o, final_state
+def _saved_shapes(B: int, T: int, H: int, K: int, V: int) -> list[tuple[int, ...]]:
+    """Shapes of the forward's saved buffers, in the order of ``SAVED`` (float32, padded chunks)."""
+    N = -(-T // CHUNK)
+    rows = N * CHUNK
+    return [(B, H, rows, K)] * 3 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, CHUNK, CHUNK)] * 2 + [
+        (B, H, N, K, V), (B, H, rows, V)]
 
-    @staticmethod
-    def backward(ctx, d_o, d_final_state):
-        if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients would be constants to autograd
-            from ..ops import FIRST_ORDER_ONLY
 
-            raise RuntimeError(FIRST_ORDER_ONLY.format(path='chunk_gdn2(path="kernel")'))
-        q, k, v, g, b, w, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        device = q.device
-        f32 = dict(dtype=torch.float32, device=device)
-        if d_o is None:
-            d_o = torch.zeros_like(v)
-        d_o = d_o.contiguous()
-        d_final = None if d_final_state is None else d_final_state.to(torch.float32).contiguous()
-        d_leaving = torch.empty_like(states)
-        d_U = torch.empty_like(U)
-        d_initial = torch.empty(B, H, K, V, **f32) if ctx.has_initial else None
-        state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, ctx.scale, ctx.precision)
+@torch.library.custom_op("gdn2::triton_forward", mutates_args=())
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
+    initial_state: torch.Tensor | None, scale: float,
+) -> list[torch.Tensor]:
+    """``[o, final_state, *saved]``: the output, the final state and the buffers the backward reads."""
+    q, k, v, g, b, w = (x.contiguous() for x in (q, k, v, g, b, w))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    precision = _dot_precision(q.device)
+    G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
+        torch.empty(shape, dtype=torch.float32, device=q.device) for shape in _saved_shapes(B, T, H, K, V)
+    )
+    intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, inverse, precision)
+    initial = None if initial_state is None else initial_state.contiguous()
+    final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    state_forward(Wk, kd, Uw, gamma, initial, states, U, final_state, precision)
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    output(qd, P, states, U, o, scale, precision)
+    return [o, final_state, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 
-        # Each buffer is dropped once its last reader ran, so that the gradients reuse its memory.
-        contractions = intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, ctx.scale, ctx.precision)
-        del d_leaving
-        dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], ctx.scale,
-                                                 ctx.precision)
-        del d_U
-        dq, dk, dg, db = intra_backward_keys(q, k, g, b, G, *contractions, d_A, d_P, V, ctx.scale, ctx.precision)
-        return dq, dk, dv, dg, db, dw, d_initial, None, None
+
+@_forward.register_fake
+def _forward_shapes(q, k, v, g, b, w, initial_state, scale):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    final_state = q.new_empty(B, H, K, V, dtype=torch.float32)
+    return [o, final_state] + [q.new_empty(shape, dtype=torch.float32) for shape in _saved_shapes(B, T, H, K, V)]
+
+
+@torch.library.custom_op("gdn2::triton_backward", mutates_args=())
+def _backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
+    saved: list[torch.Tensor], d_o: torch.Tensor, d_final: torch.Tensor | None, scale: float, has_initial: bool,
+) -> list[torch.Tensor]:
+    """``[dq, dk, dv, dg, db, dw, d_initial]`` (d_initial empty without an initial state)."""
+    G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = saved
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    precision = _dot_precision(q.device)
+    d_o = d_o.contiguous()
+    d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
+    d_leaving = torch.empty_like(states)
+    d_U = torch.empty_like(U)
+    d_initial = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if has_initial else q.new_empty(0)
+    state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial if has_initial else None, scale,
+                   precision)
+    # Each buffer is dropped once its last reader ran, so that the gradients reuse its memory.
+    contractions = intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale, precision)
+    del d_leaving
+    dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], scale, precision)
+    del d_U
+    dq, dk, dg, db = intra_backward_keys(q, k, g, b, G, *contractions, d_A, d_P, V, scale, precision)
+    return [dq, dk, dv, dg, db, dw, d_initial]
+
+
+@_backward.register_fake
+def _backward_shapes(q, k, v, g, b, w, saved, d_o, d_final, scale, has_initial):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    d_initial = q.new_empty(B, H, K, V, dtype=torch.float32) if has_initial else q.new_empty(0)
+    return [torch.empty_like(x) for x in (q, k, v, g, b, w)] + [d_initial]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, b, w, initial_state, scale = inputs
+    ctx.save_for_backward(q, k, v, g, b, w, *output[2:])
+    ctx.scale = scale
+    ctx.has_initial = initial_state is not None
+
+
+def _differentiate(ctx, grads):
+    if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients would be constants to autograd
+        from ..ops import FIRST_ORDER_ONLY
+
+        raise RuntimeError(FIRST_ORDER_ONLY.format(path='chunk_gdn2(path="kernel")'))
+    d_o, d_final = grads[0], grads[1]
+    q, k, v, g, b, w, *saved = ctx.saved_tensors
+    if d_o is None:
+        d_o = torch.zeros_like(v)
+    dq, dk, dv, dg, db, dw, d_initial = _backward(q, k, v, g, b, w, saved, d_o, d_final, ctx.scale, ctx.has_initial)
+    return dq, dk, dv, dg, db, dw, (d_initial if ctx.has_initial else None), None
+
+
+_forward.register_autograd(_differentiate, setup_context=_setup_context)
 
 
 def triton_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bool):
@@ -147,5 +185,5 @@ def triton_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_s
     Returns ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] float32 or None)``;
     differentiable in q, k, v, g, b, w and initial_state, including through final_state.
     """
-    o, final_state = TritonGDN2.apply(q, k, v, g, b, w, initial_state, float(scale), bool(output_final_state))
+    o, final_state, *_ = _forward(q, k, v, g, b, w, initial_state, float(scale))
     return o, (final_state if output_final_state else None)
