@@ -182,11 +182,14 @@ def cmd_train(parser, args) -> int:
     task, model_config, train = _build(parser, args)
     out = _output_folder(parser, args.out or Path("runs") / f"train-{args.framework}-{task.name}")
     try:
-        trainer = make_trainer(args.framework, model_config, starting_weights(model_config, train.seed), train, args.device)
-    except ValueError as error:
-        _device_error(parser, error, "--device")
+        trainer = make_trainer(args.framework, model_config, starting_weights(model_config, train.seed), train, args.device,
+                               args.dtype, args.compile)
+    except ValueError as error:  # --device, --dtype or --compile
+        parser.error(_as_option(str(error)))
     # Every check is done: the run header comes after them, and after it only the run.
-    print(f"gdn2 train: {args.framework} on {device_name(trainer.device)}, {task.describe()}")
+    precision = "float32" if trainer.dtype == "float32" else "bfloat16 compute, float32 weights"
+    print(f"gdn2 train: {args.framework} on {device_name(trainer.device)}, {precision}"
+          f"{', torch.compile' if args.compile else ''}; {task.describe()}")
     print(f"  model: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
           f"{model_config.num_heads} heads x {model_config.head_dim}; {train.steps} steps of {train.batch_size}, lr {train.lr}")
     result = run_training(trainer, task, train, progress=not args.quiet)
@@ -272,6 +275,11 @@ def build_parser(prog: str = "gdn2") -> argparse.ArgumentParser:
     train.add_argument("--device", default=None,
                        help="torch: cpu, cuda, cuda:1, mps (default cuda if available); mlx: cpu or gpu (default MLX's)")
     train.add_argument("--out", type=Path, default=None, help="output folder (default runs/train-FRAMEWORK-TASK)")
+    train.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="compute dtype; bfloat16: torch autocast, or a bfloat16 copy of the weights in MLX, while "
+                            "the weights and AdamW stay float32 (default: bfloat16 on CUDA, float32 elsewhere)")
+    train.add_argument("--compile", action="store_true",
+                       help="torch.compile the model for training (torch only; the first step waits for the compilation)")
     _add_model_arguments(train)
     train.set_defaults(subparser=train)
 

@@ -195,12 +195,27 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+DTYPES = ("float32", "bfloat16")
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, received {dtype!r}")
+
+
 class TorchTrainer:
-    """A ``gdn2.torch.layer.GDN2LanguageModel`` with torch.optim.AdamW on ``device``."""
+    """A ``gdn2.torch.layer.GDN2LanguageModel`` with torch.optim.AdamW on ``device``.
+
+    ``dtype``: ``float32``, or ``bfloat16``: the forward under bf16 autocast while the weights,
+    their gradients and AdamW's state stay float32 (None: bfloat16 on CUDA, float32 elsewhere).
+    ``compile``: the training forward through ``torch.compile`` (evaluation runs the model as is,
+    so that it does not compile a second graph).
+    """
 
     framework = "torch"
 
-    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None):
+    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None,
+                 dtype: str | None = None, compile: bool = False):
         import torch
 
         from .torch.layer import GDN2LanguageModel, set_numpy_weights
@@ -214,17 +229,30 @@ class TorchTrainer:
             raise ValueError(f"device: {device!r} requested but this torch has no usable CUDA device")
         if self.device.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"device: {device!r} requested but MPS is not available")
+        check_dtype(dtype)
+        self.dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        if self.dtype == "bfloat16":
+            problem = _bf16_autocast_problem(torch, self.device)
+            if problem is not None:
+                raise ValueError(f"dtype: bfloat16 autocast is not available on {device_name(self.device)} ({problem}); "
+                                 "use float32")
         self.model = GDN2LanguageModel(model_config)
         set_numpy_weights(self.model, weights, "initial weights")
         self.model.to(self.device)
+        self.compiled = compile
+        self.forward_model = torch.compile(self.model) if compile else self.model
         self.train_config = train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.betas, eps=train.eps, weight_decay=train.weight_decay
         )
 
+    def _autocast(self):
+        return self.torch.autocast(self.device.type, dtype=self.torch.bfloat16, enabled=self.dtype == "bfloat16")
+
     def _loss(self, inputs, targets):
         torch = self.torch
-        logits = self.model(torch.from_numpy(inputs).to(self.device))
+        with self._autocast():
+            logits = self.forward_model(torch.from_numpy(inputs).to(self.device))
         targets = torch.from_numpy(targets).to(self.device)
         return logits, torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE
@@ -246,7 +274,7 @@ class TorchTrainer:
         """``(summed loss, correct predictions, counted positions)`` over one batch."""
         torch = self.torch
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             logits = self.model(torch.from_numpy(inputs).to(self.device)).float()
             targets_t = torch.from_numpy(targets).to(self.device)
             mask = targets_t != IGNORE
@@ -266,12 +294,33 @@ class TorchTrainer:
             self.torch.cuda.synchronize(self.device)
 
 
+def _bf16_autocast_problem(torch, device) -> str | None:
+    """None when bf16 autocast runs on ``device``, else why not (torch may only warn and disable it)."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bfloat16 support"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                enabled = torch.is_autocast_enabled(device.type)
+        except (RuntimeError, ValueError) as error:
+            return " ".join(str(error).split())
+    if not enabled:
+        return " ".join(" ".join(str(w.message).split()) for w in caught) or "torch disables it"
+    return None
+
+
 class MLXTrainer:
-    """A ``gdn2.mlx.layer.GDN2LanguageModel`` with mlx.optimizers.AdamW (bias-corrected, as torch)."""
+    """A ``gdn2.mlx.layer.GDN2LanguageModel`` with mlx.optimizers.AdamW (bias-corrected, as torch).
+
+    ``dtype``: ``float32`` (None), or ``bfloat16``: each step computes with a bfloat16 copy of the
+    weights, and the gradients flow back through the cast to the float32 weights AdamW updates.
+    """
 
     framework = "mlx"
 
-    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None):
+    def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None,
+                 dtype: str | None = None):
         import mlx.core as mx
         import mlx.nn as nn
         import mlx.optimizers as optim
@@ -286,6 +335,8 @@ class MLXTrainer:
                 raise ValueError("device: gpu requested but this MLX has no GPU backend (Linux builds are CPU-only)")
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.device = device_name(mx.default_device())
+        check_dtype(dtype)
+        self.dtype = dtype or "float32"
         self.model = GDN2LanguageModel(model_config)
         set_numpy_weights(self.model, weights, "initial weights")
         self.train_config = train
@@ -293,10 +344,19 @@ class MLXTrainer:
             learning_rate=train.lr, betas=list(train.betas), eps=train.eps, weight_decay=train.weight_decay,
             bias_correction=True,
         )
-        self._loss_and_grad = nn.value_and_grad(self.model, self._loss)
+        self._loss_and_grad = mx.value_and_grad(self._loss)
 
-    def _loss(self, inputs, targets):
+    def _compute_weights(self, weights):
+        """The weights a step computes with: float32 as stored, or their bfloat16 cast."""
+        if self.dtype == "float32":
+            return weights
+        from mlx.utils import tree_map
+
+        return tree_map(lambda w: w.astype(self.mx.bfloat16), weights)
+
+    def _loss(self, weights, inputs, targets):
         mx = self.mx
+        self.model.update(self._compute_weights(weights))
         logits = self.model(inputs).astype(mx.float32)
         mask = targets != IGNORE
         losses = self.nn.losses.cross_entropy(logits, mx.where(mask, targets, 0), reduction="none")
@@ -306,7 +366,9 @@ class MLXTrainer:
         mx = self.mx
         self.model.train()
         self.optimizer.learning_rate = lr
-        loss, grads = self._loss_and_grad(mx.array(inputs), mx.array(targets))
+        weights = self.model.trainable_parameters()
+        loss, grads = self._loss_and_grad(weights, mx.array(inputs), mx.array(targets))
+        self.model.update(weights)  # the float32 weights back in place of the step's compute copy
         if self.train_config.grad_clip > 0:
             grads, _ = self.optim.clip_grad_norm(grads, self.train_config.grad_clip)
         self.optimizer.update(self.model, grads)
@@ -317,7 +379,10 @@ class MLXTrainer:
         """``(summed loss, correct predictions, counted positions)`` over one batch."""
         mx = self.mx
         self.model.eval()
+        weights = self.model.trainable_parameters()
+        self.model.update(self._compute_weights(weights))
         logits = self.model(mx.array(inputs)).astype(mx.float32)
+        self.model.update(weights)
         targets_m = mx.array(targets)
         mask = targets_m != IGNORE
         losses = self.nn.losses.cross_entropy(logits, mx.where(mask, targets_m, 0), reduction="none")
@@ -344,12 +409,16 @@ def device_name(device) -> str:
     return str(device)
 
 
-def make_trainer(framework: str, model_config: ModelConfig, weights, train: TrainConfig, device: str | None = None):
-    """A ``TorchTrainer`` or an ``MLXTrainer`` starting from ``weights`` ({name: numpy array})."""
+def make_trainer(framework: str, model_config: ModelConfig, weights, train: TrainConfig, device: str | None = None,
+                 dtype: str | None = None, compile: bool = False):
+    """A ``TorchTrainer`` or an ``MLXTrainer`` starting from ``weights`` ({name: numpy array});
+    ``dtype`` and ``compile`` as the trainers take them (``compile``: torch only)."""
     if framework == "torch":
-        return TorchTrainer(model_config, weights, train, device)
+        return TorchTrainer(model_config, weights, train, device, dtype, compile)
     if framework == "mlx":
-        return MLXTrainer(model_config, weights, train, device)
+        if compile:
+            raise ValueError("compile: torch.compile applies to --framework torch only")
+        return MLXTrainer(model_config, weights, train, device, dtype)
     raise ValueError(f"framework: expected torch or mlx, received {framework!r}")
 
 
@@ -387,12 +456,19 @@ class RunResult:
     evaluations: list[dict]  # {"step", "loss", "accuracy"} per evaluation
     wall_seconds: float
     final: dict  # the last evaluation
+    tokens_per_step: int = 0  # batch size x sequence length
+
+    def tokens_per_second(self) -> float:
+        """Training throughput at the median step time (evaluation and the slow first steps left out)."""
+        return self.tokens_per_step / float(np.median(self.step_seconds))
 
     def summary(self) -> str:
         final = self.final
+        median = float(np.median(self.step_seconds))
+        rate = f", {self.tokens_per_second():,.0f} tokens/s" if self.tokens_per_step else ""
         text = (
             f"{self.framework} ({self.device}): {len(self.losses)} steps in {self.wall_seconds:.1f} s "
-            f"(median step {1000 * float(np.median(self.step_seconds)):.1f} ms); "
+            f"(median step {1000 * median:.1f} ms{rate}); "
             f"held-out loss {final['loss']:.4f}, accuracy {100 * final['accuracy']:.2f}%"
         )
         return text
@@ -421,6 +497,7 @@ def run_training(trainer, task, train: TrainConfig, progress: bool = True, label
     heldout = heldout_set(task, train.eval_size, train.seed)
     batches = training_batches(task, train.batch_size, train.seed)
     losses, step_seconds, evaluations = [], [], []
+    tokens_per_step = 0
     started = time.perf_counter()
     bar = tqdm(range(train.steps), desc=label or f"train {trainer.framework}", disable=not progress, dynamic_ncols=True)
     with warnings.catch_warnings():
@@ -428,6 +505,7 @@ def run_training(trainer, task, train: TrainConfig, progress: bool = True, label
         try:
             for step in bar:
                 inputs, targets = next(batches)
+                tokens_per_step = inputs.size
                 tick = time.perf_counter()
                 loss = trainer.step(inputs, targets, train.lr_at(step))
                 step_seconds.append(time.perf_counter() - tick)
@@ -435,17 +513,20 @@ def run_training(trainer, task, train: TrainConfig, progress: bool = True, label
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
                 losses.append(loss)
                 last = step + 1 == train.steps
+                # Tokens per second over the last 10 steps (training steps only, no evaluation).
+                rate = f"{tokens_per_step * len(step_seconds[-10:]) / sum(step_seconds[-10:]):,.0f}"
                 if last or (train.eval_every > 0 and (step + 1) % train.eval_every == 0):
                     evaluations.append({"step": step + 1, **evaluate(trainer, heldout, train.batch_size)})
-                    bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%")
+                    bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{100 * evaluations[-1]['accuracy']:.1f}%", tokens_s=rate)
                 elif step % 10 == 0:
                     accuracy = f"{100 * evaluations[-1]['accuracy']:.1f}%" if evaluations else "-"
-                    bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=accuracy)
+                    bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=accuracy, tokens_s=rate)
         finally:
             bar.close()
     trainer.synchronize()
     wall = time.perf_counter() - started
-    return RunResult(trainer.framework, str(trainer.device), losses, step_seconds, evaluations, wall, evaluations[-1])
+    return RunResult(trainer.framework, str(trainer.device), losses, step_seconds, evaluations, wall, evaluations[-1],
+                     tokens_per_step)
 
 
 def _one_line_warning(tqdm):
