@@ -145,6 +145,10 @@ class GatedDeltaNet2(nn.Module):
     they cannot run; False: the plain code. ``which_glue(hidden_states)`` says which a call takes.
     """
 
+    # gdn2.context_parallel: a ContextParallel of the framework (its ``apply(model)`` sets it) makes
+    # each call run this rank's segment of a sequence split along T across ranks (no mask, no cache).
+    context_parallel = None
+
     def __init__(
         self,
         hidden_size: int = 2048,
@@ -227,12 +231,18 @@ class GatedDeltaNet2(nn.Module):
         mask = padding_mask(attention_mask, B, T, hidden_states, cache)
         if cu_seqlens is not None and cache is not None:
             raise ValueError("cache: not supported with cu_seqlens (packed sequences); pass one or the other")
-        sequences = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens, B, T)  # read once
+        cp = self.context_parallel  # None, or this rank's segment of a sequence split across ranks
+        if cp is None:
+            sequences = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens, B, T)  # read once
+        else:  # the offsets are the whole split sequence's; positions inside its sequences
+            sequences = None if cu_seqlens is None else cp.segment(cu_seqlens, hidden_states)
         positions = None if sequences is None else sequences.positions()
         # Padding may hold anything (NaN from an earlier layer): selected away, not multiplied by 0.
         x = hidden_states if mask is None else torch.where(mask[..., None], hidden_states, 0.0)
         HV, V = self.num_v_heads, self.head_v_dim
         conv_states = cache.conv_state if cache is not None and cache.conv_state else (None,) * 3
+        if cp is not None:  # the short convolutions' left context: the previous rank's last inputs
+            x, conv_states = cp.conv_context(self, x, attention_mask, cache)
         keep_conv_states = cache is not None and self.use_short_conv
         fused = self.which_glue(x).path == "kernels"
         if fused:
@@ -256,7 +266,7 @@ class GatedDeltaNet2(nn.Module):
         if cache is not None and T == 1 and state is not None:
             o, state = recurrent_gdn2(q, k, v, g, b, w, initial_state=state, output_final_state=True)
         else:
-            o, state = chunk_gdn2(
+            o, state = (chunk_gdn2 if cp is None else cp.gdn2)(
                 q, k, v, g, b, w, initial_state=state, output_final_state=cache is not None,
                 chunk_size=self.chunk_size, path=self.path, cu_seqlens=sequences,
             )
