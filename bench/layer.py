@@ -1,0 +1,329 @@
+"""The GDN-2 layer against flash-linear-attention's, side by side in one run, and a language-model
+training step with each.
+
+    python bench/layer.py --device cuda                  # hidden 2048, 16 heads x 128, B=4 T=4096, bf16
+    python bench/layer.py --device cpu --small           # tiny shapes: checks that everything runs
+
+Layer rows (the layer's parameters and input in ``--dtype``): ``fla`` (``fla.layers.gdn2.GatedDeltaNet2``,
+when flash-linear-attention is installed; our layer loads its ``state_dict``), ``gdn2`` (the
+fused Triton glue, ``use_kernels=True``) and ``gdn2-plain-glue`` (``use_kernels=False``). Each row:
+forward (no autograd graph) and forward+backward median ms, peak memory during forward+backward
+(CUDA), the difference of output and input gradient to the first row, and the same two times
+with the operator replaced by a no-op of the same output shape (zero gradients): the glue, all
+that is not the operator. fla's operator L2-normalises q and k inside itself; ours outside it.
+
+Language-model rows: ``GDN2LanguageModel`` (``--lm-layers`` blocks, hidden ``--lm-hidden``,
+vocabulary ``--lm-vocab``), float32 weights, AdamW, bf16 autocast, B x T random tokens: a whole
+training step (forward, loss, backward, optimizer) in ms and tokens per second, for our layer
+and for the same model with fla's layer swapped into every block (same weights).
+
+Writes the rows as JSON (``--json``, default ``bench/out/layer.json``; ``bench/out/`` is not
+tracked). Without flash-linear-attention the fla rows are left out with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from gdn2.testing import median_ms
+from gdn2.torch import layer as layer_module
+from gdn2.torch.layer import GatedDeltaNet2, GDN2LanguageModel
+from gdn2.weights import ModelConfig
+
+OUT = Path(__file__).with_name("out")
+FLA_ARGUMENTS = ("hidden_size", "expand_v", "head_dim", "num_heads", "num_v_heads", "use_short_conv",
+                 "allow_neg_eigval", "conv_size", "conv_bias", "norm_eps")
+FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
+            lm_layers=4, lm_hidden=1024, lm_heads=8, lm_vocab=32000, lm_B=8, lm_T=2048, repeats=20, warmup=3)
+SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
+             lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)
+
+
+def fla_layer_class():
+    """flash-linear-attention's ``GatedDeltaNet2`` class, or None with the reason it cannot be imported."""
+    try:
+        from fla.layers.gdn2 import GatedDeltaNet2 as FlaGatedDeltaNet2
+    except ImportError as error:
+        return None, f"flash-linear-attention is not installed or has no GDN-2 layer ({error}); pip install flash-linear-attention"
+    return FlaGatedDeltaNet2, None
+
+
+class FlaMixer(nn.Module):
+    """fla's layer as a block's token mixer: the output alone (fla returns ``(o, None, cache)``)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cache=None):
+        return self.layer(x)[0]
+
+
+class NoOpOperator(torch.autograd.Function):
+    """The operator's output shape (zeros) and zero gradients for q, k, v, g, b, w: what is left
+    of a layer with it is the glue."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, b, w):
+        ctx.shapes = [(x.shape, x.dtype) for x in (q, k, v, g, b, w)]
+        return torch.zeros(v.shape, dtype=q.dtype, device=v.device)
+
+    @staticmethod
+    def backward(ctx, d_o):
+        return tuple(torch.zeros(shape, dtype=dtype, device=d_o.device) for shape, dtype in ctx.shapes)
+
+
+def noop_operator(*arguments, **options):
+    """Stands in for ``chunk_gdn2`` of either layer (ours passes q ... w by position, fla by name)."""
+    names = ("q", "k", "v", "g", "b", "w")
+    tensors = [options[name] if name in options else arguments[i] for i, name in enumerate(names)]
+    return NoOpOperator.apply(*tensors), None
+
+
+class operator_replaced:
+    """Within the block, both layers call ``noop_operator`` in place of their operator."""
+
+    def __init__(self, fla_available: bool):
+        self.targets = [(layer_module, "chunk_gdn2")]
+        if fla_available:
+            import fla.layers.gdn2 as fla_module
+
+            self.targets.append((fla_module, "chunk_gdn2"))
+
+    def __enter__(self):
+        self.saved = [getattr(module, name) for module, name in self.targets]
+        for module, name in self.targets:
+            setattr(module, name, noop_operator)
+
+    def __exit__(self, *exc):
+        for (module, name), original in zip(self.targets, self.saved):
+            setattr(module, name, original)
+
+
+def output_of(layer, x):
+    out = layer(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def relative_difference(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+class Device:
+    def __init__(self, name: str):
+        self.device = torch.device(name)
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_gib(self):
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+
+
+def time_layer(layer, x, d_out, device: Device, repeats: int, warmup: int) -> dict:
+    """Forward (no graph) and forward+backward median ms; peak memory of forward+backward."""
+    def forward():
+        with torch.no_grad():
+            output_of(layer, x)
+
+    def forward_backward():
+        x.grad = None
+        output_of(layer, x).backward(d_out)
+
+    row = {"forward_ms": median_ms(forward, repeats, warmup, device.sync)}
+    device.reset_peak()
+    row["forward_backward_ms"] = median_ms(forward_backward, repeats, warmup, device.sync)
+    row["peak_gib"] = device.peak_gib()
+    return row
+
+
+def bench_layers(args, device: Device, fla_class) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    config = dict(hidden_size=args.hidden, head_dim=args.head_dim, num_heads=args.heads, expand_v=1.0,
+                  use_short_conv=True, allow_neg_eigval=False, conv_size=4, conv_bias=False, norm_eps=1e-5)
+    torch.manual_seed(args.seed)
+    layers = {}
+    if fla_class is not None:
+        layers["fla"] = fla_class(**config).to(device.device, dtype)
+    ours = GatedDeltaNet2(**config).to(device.device, dtype)
+    if "fla" in layers:
+        ours.load_state_dict(layers["fla"].state_dict(), strict=True)
+    plain = GatedDeltaNet2(**config).to(device.device, dtype)
+    plain.load_state_dict(ours.state_dict(), strict=True)
+    ours.use_kernels, plain.use_kernels = True, False
+    layers["gdn2"], layers["gdn2-plain-glue"] = ours, plain
+
+    generator = torch.Generator(device=device.device).manual_seed(args.seed)
+    x = torch.randn(args.B, args.T, args.hidden, generator=generator, device=device.device, dtype=dtype).requires_grad_(True)
+    d_out = torch.randn(x.shape, generator=generator, device=device.device, dtype=dtype)
+    rows, first = [], None
+    for name, layer in layers.items():
+        row = {"what": "layer", "name": name}
+        if name == "gdn2":
+            choice = layer.which_glue(x)
+            row["glue"] = str(choice)
+            if choice.path != "kernels":
+                row["skipped"] = f"fused glue kernels cannot run: {choice.reason}"
+                rows.append(row)
+                print(f"  {name}: skipped ({row['skipped']})", flush=True)
+                continue
+        x.grad = None
+        out = output_of(layer, x)
+        out.backward(d_out)
+        if first is None:
+            first = (name, out.detach(), x.grad.detach().clone())
+        else:
+            row[f"output_difference_to_{first[0]}"] = relative_difference(out, first[1])
+            row[f"input_grad_difference_to_{first[0]}"] = relative_difference(x.grad, first[2])
+        del out
+        row.update(time_layer(layer, x, d_out, device, args.repeats, args.warmup))
+        with operator_replaced("fla" in layers):
+            glue = time_layer(layer, x, d_out, device, args.repeats, args.warmup)
+        row["glue_forward_ms"], row["glue_forward_backward_ms"] = glue["forward_ms"], glue["forward_backward_ms"]
+        rows.append(row)
+        print("  " + layer_line(row), flush=True)
+    return rows
+
+
+def layer_line(row: dict) -> str:
+    text = (f"{row['name']:16s} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms  "
+            f"glue fwd {row['glue_forward_ms']:7.2f} / fwd+bwd {row['glue_forward_backward_ms']:7.2f} ms")
+    if row.get("peak_gib") is not None:
+        text += f"  peak {row['peak_gib']:.2f} GiB"
+    for key, value in row.items():
+        if key.startswith("output_difference_to_"):
+            text += f"  out diff {value:.2e}"
+        if key.startswith("input_grad_difference_to_"):
+            text += f"  dx diff {value:.2e}"
+    return text
+
+
+def language_model(args, device: Device, fla_class, kind: str) -> nn.Module:
+    config = ModelConfig(vocab_size=args.lm_vocab, hidden_size=args.lm_hidden, num_layers=args.lm_layers,
+                         num_heads=args.lm_heads, head_dim=args.head_dim)
+    torch.manual_seed(args.seed)
+    model = GDN2LanguageModel(config)
+    for i, block in enumerate(model.layers):
+        if kind == "fla":
+            swapped = fla_class(**{key: config.mixer_kwargs()[key] for key in FLA_ARGUMENTS}, layer_idx=i)
+            swapped.load_state_dict(block.attn.state_dict(), strict=True)
+            block.attn = FlaMixer(swapped)
+        else:
+            block.attn.use_kernels = kind == "gdn2"
+    return model.to(device.device)
+
+
+def bench_language_models(args, device: Device, fla_class) -> list[dict]:
+    kinds = (["fla"] if fla_class is not None else []) + ["gdn2", "gdn2-plain-glue"]
+    generator = torch.Generator(device=device.device).manual_seed(args.seed)
+    tokens = torch.randint(0, args.lm_vocab, (args.lm_B, args.lm_T + 1), generator=generator, device=device.device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    rows = []
+    for kind in kinds:
+        row = {"what": "language model step", "name": kind, "B": args.lm_B, "T": args.lm_T}
+        model = language_model(args, device, fla_class, kind)
+        if kind == "gdn2":
+            choice = model.layers[0].attn.which_glue(torch.empty(1, 1, args.lm_hidden, device=device.device))
+            if choice.path != "kernels":
+                row["skipped"] = f"fused glue kernels cannot run: {choice.reason}"
+                rows.append(row)
+                print(f"  {kind}: skipped ({row['skipped']})", flush=True)
+                continue
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.cuda)
+        forward = torch.compile(model) if args.compile else model
+
+        def step():
+            with torch.autocast(device.device.type, dtype=torch.bfloat16):
+                logits = forward(inputs)
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        device.reset_peak()
+        row["step_ms"] = median_ms(step, args.repeats, args.warmup, device.sync)
+        row["peak_gib"] = device.peak_gib()
+        row["tokens_per_second"] = args.lm_B * args.lm_T / (row["step_ms"] / 1e3)
+        rows.append(row)
+        peak = f"  peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""
+        print(f"  {kind:16s} step {row['step_ms']:8.2f} ms  {row['tokens_per_second']:12,.0f} tokens/s{peak}", flush=True)
+        del model, optimizer, forward
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="bench/layer.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default cuda when available)")
+    parser.add_argument("--small", action="store_true", help="tiny shapes and 2 repeats: a check that everything runs")
+    for name, value in FULL.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"default {value} ({SMALL[name]} with --small)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the layer rows' parameters and input (the language model: float32 weights, bf16 autocast)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the language models")
+    parser.add_argument("--skip-layer", action="store_true", help="language-model rows only")
+    parser.add_argument("--skip-lm", action="store_true", help="layer rows only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=OUT / "layer.json")
+    args = parser.parse_args(argv)
+    sizes = SMALL if args.small else FULL
+    for name, value in sizes.items():
+        least = 0 if name == "warmup" else 1
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+        elif getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')}: expected an integer >= {least}, received {getattr(args, name)}")
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device: {name} requested but this torch has no usable CUDA device")
+    device = Device(name)
+
+    fla_class, fla_problem = fla_layer_class()
+    if fla_problem is not None:
+        print(f"note: {fla_problem}: timing gdn2 only", flush=True)
+    meta = dict(device=torch.cuda.get_device_name(device.device) if device.cuda else platform.processor() or "cpu",
+                torch=torch.__version__, fla=None if fla_problem else _fla_version(), dtype=args.dtype,
+                sizes={key: getattr(args, key) for key in FULL}, compile=args.compile)
+    rows = []
+    if not args.skip_layer:
+        print(f"layer: hidden {args.hidden}, {args.heads} heads x {args.head_dim}, B={args.B} T={args.T}, {args.dtype}, "
+              f"median of {args.repeats} after {args.warmup} warm-up", flush=True)
+        rows += bench_layers(args, device, fla_class)
+    if not args.skip_lm:
+        print(f"language model: {args.lm_layers} layers, hidden {args.lm_hidden}, {args.lm_heads} heads x {args.head_dim}, "
+              f"vocabulary {args.lm_vocab}, B={args.lm_B} T={args.lm_T}, AdamW, bf16 autocast"
+              f"{', torch.compile' if args.compile else ''}", flush=True)
+        rows += bench_language_models(args, device, fla_class)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.json}")
+    return rows
+
+
+def _fla_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("flash-linear-attention")
+    except Exception:  # the version is a label only
+        return None
+
+
+if __name__ == "__main__":
+    main()
