@@ -183,16 +183,23 @@ def cmd_train(parser, args) -> int:
     out = _output_folder(parser, args.out or Path("runs") / f"train-{args.framework}-{task.name}")
     try:
         trainer = make_trainer(args.framework, model_config, starting_weights(model_config, train.seed), train, args.device,
-                               args.dtype, args.compile)
-    except ValueError as error:  # --device, --dtype or --compile
+                               args.dtype, args.compile, data_parallel=True)
+    except ValueError as error:  # --device, --dtype, --compile, or --batch-size over processes
         parser.error(_as_option(str(error)))
+    # Under torchrun or mlx.launch (gdn2.distributed) only rank 0 prints, plots and writes files.
+    world = trainer.world
+    say = print if world.leader else (lambda *lines: None)
+    args.quiet = args.quiet or not world.leader
+    processes = f" x {world.size} processes ({world.name})" if world.size > 1 else ""
     # Every check is done: the run header comes after them, and after it only the run.
     precision = "float32" if trainer.dtype == "float32" else "bfloat16 compute, float32 weights"
-    print(f"gdn2 train: {args.framework} on {device_name(trainer.device)}, {precision}"
-          f"{', torch.compile' if args.compile else ''}; {task.describe()}")
-    print(f"  model: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
-          f"{model_config.num_heads} heads x {model_config.head_dim}; {train.steps} steps of {train.batch_size}, lr {train.lr}")
+    say(f"gdn2 train: {args.framework} on {device_name(trainer.device)}{processes}, {precision}"
+        f"{', torch.compile' if args.compile else ''}; {task.describe()}")
+    say(f"  model: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+        f"{model_config.num_heads} heads x {model_config.head_dim}; {train.steps} steps of {train.batch_size}, lr {train.lr}")
     result = run_training(trainer, task, train, progress=not args.quiet)
+    if not world.leader:
+        return 0
     title = f"GDN-2 {args.framework}, {task.describe()}"
     paths = save_run(out, result, trainer, train, model_config, title)
     final = result.final

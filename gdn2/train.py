@@ -210,12 +210,14 @@ class TorchTrainer:
     their gradients and AdamW's state stay float32 (None: bfloat16 on CUDA, float32 elsewhere).
     ``compile``: the training forward through ``torch.compile`` (evaluation runs the model as is,
     so that it does not compile a second graph).
+    ``data_parallel``: when started by torchrun, the processes train together (``gdn2.distributed``:
+    DDP, each process its share of the global batch and the GPU of its LOCAL_RANK).
     """
 
     framework = "torch"
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None,
-                 dtype: str | None = None, compile: bool = False):
+                 dtype: str | None = None, compile: bool = False, data_parallel: bool = False):
         import torch
 
         from .torch.layer import GDN2LanguageModel, set_numpy_weights
@@ -229,6 +231,10 @@ class TorchTrainer:
             raise ValueError(f"device: {device!r} requested but this torch has no usable CUDA device")
         if self.device.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"device: {device!r} requested but MPS is not available")
+        from .distributed import torch_world
+
+        self.world, self.device = torch_world(self.device, data_parallel)
+        self.world.check_batch(train.batch_size)
         check_dtype(dtype)
         self.dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         if self.dtype == "bfloat16":
@@ -240,7 +246,8 @@ class TorchTrainer:
         set_numpy_weights(self.model, weights, "initial weights")
         self.model.to(self.device)
         self.compiled = compile
-        self.forward_model = torch.compile(self.model) if compile else self.model
+        network = self.world.wrap(self.model) if self.world.size > 1 else self.model
+        self.forward_model = torch.compile(network) if compile else network
         self.train_config = train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.betas, eps=train.eps, weight_decay=train.weight_decay
@@ -262,16 +269,21 @@ class TorchTrainer:
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        inputs, targets, share = self.world.shard(inputs, targets)
         _, loss = self._loss(inputs, targets)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # Weighted so that DDP's average over processes is the gradient of the global batch's mean.
+        (loss * (share * self.world.size) if self.world.size > 1 else loss).backward()
         if self.train_config.grad_clip > 0:
             self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
         self.optimizer.step()
-        return float(loss.detach())
+        return self.world.sum([float(loss.detach()) * share])[0]
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
         """``(summed loss, correct predictions, counted positions)`` over one batch."""
+        return _evaluate_shared(self, inputs, targets)
+
+    def _evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
         torch = self.torch
         self.model.eval()
         with torch.no_grad(), self._autocast():
@@ -315,12 +327,14 @@ class MLXTrainer:
 
     ``dtype``: ``float32`` (None), or ``bfloat16``: each step computes with a bfloat16 copy of the
     weights, and the gradients flow back through the cast to the float32 weights AdamW updates.
+    ``data_parallel``: when started by mlx.launch, the processes train together
+    (``gdn2.distributed``: each its share of the global batch, gradients averaged).
     """
 
     framework = "mlx"
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], train: TrainConfig, device: str | None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, data_parallel: bool = False):
         import mlx.core as mx
         import mlx.nn as nn
         import mlx.optimizers as optim
@@ -335,6 +349,10 @@ class MLXTrainer:
                 raise ValueError("device: gpu requested but this MLX has no GPU backend (Linux builds are CPU-only)")
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.device = device_name(mx.default_device())
+        from .distributed import MLXWorld, single
+
+        self.world = MLXWorld.start() if data_parallel else single
+        self.world.check_batch(train.batch_size)
         check_dtype(dtype)
         self.dtype = dtype or "float32"
         self.model = GDN2LanguageModel(model_config)
@@ -366,17 +384,25 @@ class MLXTrainer:
         mx = self.mx
         self.model.train()
         self.optimizer.learning_rate = lr
+        inputs, targets, share = self.world.shard(inputs, targets)
         weights = self.model.trainable_parameters()
         loss, grads = self._loss_and_grad(weights, mx.array(inputs), mx.array(targets))
         self.model.update(weights)  # the float32 weights back in place of the step's compute copy
+        if self.world.size > 1:  # the average over processes: the gradient of the global batch's mean
+            from mlx.utils import tree_map
+
+            grads = self.world.average(tree_map(lambda g: g * (share * self.world.size), grads))
         if self.train_config.grad_clip > 0:
             grads, _ = self.optim.clip_grad_norm(grads, self.train_config.grad_clip)
         self.optimizer.update(self.model, grads)
         mx.eval(loss, self.model.parameters(), self.optimizer.state)
-        return float(loss)
+        return self.world.sum([float(loss) * share])[0]
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
         """``(summed loss, correct predictions, counted positions)`` over one batch."""
+        return _evaluate_shared(self, inputs, targets)
+
+    def _evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
         mx = self.mx
         self.model.eval()
         weights = self.model.trainable_parameters()
@@ -400,6 +426,17 @@ class MLXTrainer:
         self.mx.synchronize()
 
 
+def _evaluate_shared(trainer, inputs: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
+    """``trainer._evaluate`` on this process's share of the rows, summed over processes."""
+    world = trainer.world
+    if world.size == 1:
+        return trainer._evaluate(inputs, targets)
+    rows = world.rows(len(inputs))
+    local = trainer._evaluate(inputs[rows], targets[rows]) if rows.stop > rows.start else (0.0, 0, 0)
+    loss, correct, count = world.sum([float(x) for x in local])
+    return loss, int(round(correct)), int(round(count))
+
+
 def device_name(device) -> str:
     """A device as a user writes it: ``cpu``, ``gpu``, ``cuda:0`` (not ``Device(cpu, 0)``)."""
     kind = getattr(device, "type", None)
@@ -410,15 +447,15 @@ def device_name(device) -> str:
 
 
 def make_trainer(framework: str, model_config: ModelConfig, weights, train: TrainConfig, device: str | None = None,
-                 dtype: str | None = None, compile: bool = False):
+                 dtype: str | None = None, compile: bool = False, data_parallel: bool = False):
     """A ``TorchTrainer`` or an ``MLXTrainer`` starting from ``weights`` ({name: numpy array});
-    ``dtype`` and ``compile`` as the trainers take them (``compile``: torch only)."""
+    ``dtype``, ``compile`` and ``data_parallel`` as the trainers take them (``compile``: torch only)."""
     if framework == "torch":
-        return TorchTrainer(model_config, weights, train, device, dtype, compile)
+        return TorchTrainer(model_config, weights, train, device, dtype, compile, data_parallel)
     if framework == "mlx":
         if compile:
             raise ValueError("compile: torch.compile applies to --framework torch only")
-        return MLXTrainer(model_config, weights, train, device, dtype)
+        return MLXTrainer(model_config, weights, train, device, dtype, data_parallel)
     raise ValueError(f"framework: expected torch or mlx, received {framework!r}")
 
 
