@@ -3,6 +3,7 @@ training step with each.
 
     python bench/layer.py --device cuda                  # hidden 2048, 16 heads x 128, B=4 T=4096, bf16
     python bench/layer.py --device cpu --small           # tiny shapes: checks that everything runs
+    python bench/layer.py --resources                    # glue kernels' sm_90a registers and spills, no GPU
 
 Layer rows (the layer's parameters and input in ``--dtype``): ``fla`` (``fla.layers.gdn2.GatedDeltaNet2``,
 when flash-linear-attention is installed; our layer loads its ``state_dict``), ``gdn2`` (the
@@ -266,6 +267,65 @@ def bench_language_models(args, device: Device, fla_class) -> list[dict]:
     return rows
 
 
+def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
+    """Each glue kernel with the pointer dtypes and constants its launcher uses in the layer
+    (``inp``: the projections' dtype; training: no bias, no state, no padding, no packing)."""
+    from gdn2.torch.triton import conv, gates, norm
+
+    f32, i32, none = "fp32", "i32", dict(HAS_BIAS=False, HAS_STATE=False, HAS_POSITIONS=False, HAS_MASK=False)
+    every = dict(HAS_BIAS=True, HAS_STATE=True, HAS_POSITIONS=True, HAS_MASK=True)
+    conv_pointers = dict(x=inp, weight=f32, bias=f32, state=inp, positions=i32, mask="u8")
+    backward_pointers = dict(conv_pointers, dy=f32, dx=inp, d_weight_parts=f32, d_bias_parts=f32, d_state=inp)
+    out = {}
+    for label, channels, normalize in (("q/k", head_dim, True), ("v", conv.CHANNEL_BLOCK, False)):
+        shape = dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, NORMALIZE=normalize)
+        out[f"conv forward {label}"] = (conv._conv_forward_kernel, dict(conv_pointers, y=f32), dict(eps=f32),
+                                        dict(shape, **none), conv.FORWARD_WARPS)
+        for flags, name in ((none, ""), (every, " +all options")):
+            out[f"conv backward {label}{name}"] = (conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
+                                                   dict(shape, WB=4, BS=4, **flags), conv.BACKWARD_WARPS)
+    rows, block = norm._row_block(head_dim)
+    out["l2 forward"] = (norm._l2_forward_kernel, dict(x=inp, y=f32), dict(eps=f32),
+                         dict(K=head_dim, BR=rows, BK=block, SILU=True), norm.WARPS)
+    out["l2 backward"] = (norm._l2_backward_kernel, dict(x=inp, dy=f32, dx=inp), dict(eps=f32),
+                          dict(K=head_dim, BR=rows, BK=block, SILU=True), norm.WARPS)
+    out["gated rms forward"] = (norm._gated_rms_forward_kernel, dict(x=f32, gate=inp, weight=f32, y=inp), dict(eps=f32),
+                                dict(V=head_dim, BR=rows, BV=block), norm.WARPS)
+    out["gated rms backward"] = (norm._gated_rms_backward_kernel,
+                                 dict(x=f32, gate=inp, weight=f32, dy=inp, dx=f32, d_gate=inp, d_weight_parts=f32),
+                                 dict(eps=f32), dict(V=head_dim, BR=rows, BV=block), norm.WARPS)
+    channels = min(gates.CHANNEL_BLOCK, 1 << (hidden - 1).bit_length())
+    out["decay forward"] = (gates._decay_forward_kernel, dict(f=inp, A_log=f32, dt_bias=f32, g=f32), {},
+                            dict(BR=gates.ROW_BLOCK, BD=channels), gates.WARPS)
+    out["decay backward"] = (gates._decay_backward_kernel,
+                             dict(f=inp, A_log=f32, dt_bias=f32, dg=f32, df=inp, d_shift_parts=f32, d_rate_parts=f32),
+                             {}, dict(BR=gates.ROW_BLOCK, BD=channels), gates.WARPS)
+    out["sigmoid forward"] = (gates._sigmoid_forward_kernel, dict(x=inp, y=f32), dict(scale=f32),
+                              dict(BLOCK=gates.ELEMENT_BLOCK), gates.WARPS)
+    out["sigmoid backward"] = (gates._sigmoid_backward_kernel, dict(x=inp, dy=f32, dx=inp), dict(scale=f32),
+                               dict(BLOCK=gates.ELEMENT_BLOCK), gates.WARPS)
+    return out
+
+
+def print_resources(args) -> None:
+    """Registers, spills and shared memory of every glue kernel for sm_90a (no GPU needed)."""
+    import os
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kernel_resources import compile_kernel, summary
+
+    inp = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    for name, (kernel, pointers, scalars, constants, warps) in glue_kernels(args.hidden, args.head_dim, inp).items():
+        try:
+            shared, report = compile_kernel(kernel, pointers, scalars, constants, warps)
+            print(f"{name:28s} {warps} warps, shared {shared / 1024:.1f} KiB, {summary(report)}", flush=True)
+        except Exception as error:  # report every kernel, keep going
+            print(f"{name:28s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="bench/layer.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,6 +341,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--skip-lm", action="store_true", help="layer rows only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=OUT / "layer.json")
+    parser.add_argument("--resources", action="store_true",
+                        help="compile the glue kernels for sm_90a and print registers, spills, shared memory; no timing")
     args = parser.parse_args(argv)
     sizes = SMALL if args.small else FULL
     for name, value in sizes.items():
@@ -289,6 +351,9 @@ def main(argv=None) -> list[dict]:
             setattr(args, name, value)
         elif getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')}: expected an integer >= {least}, received {getattr(args, name)}")
+    if args.resources:
+        print_resources(args)
+        return []
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device: {name} requested but this torch has no usable CUDA device")
