@@ -102,7 +102,10 @@ class TorchWorld(World):
 
 
 def _destroy(dist) -> None:
+    """At exit: wait for every process, then close the group (a process closing it while another
+    still talks to it can abort that one)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -116,6 +116,7 @@ class TorchSide:
         return out
 
     def finish(self):
+        self.dist.barrier()  # ranks 0 and 1 may still be checking the pair: close the group together
         self.dist.destroy_process_group()
 
 

@@ -109,3 +109,34 @@ def test_shards_cover_the_batch_once():
     assert sorted(r.stop - r.start for r in rows) == [1, 1, 2, 2]
     with pytest.raises(ValueError, match="batch_size: expected a multiple of the 4 processes"):
         Rank(1, 4).check_batch(6)
+
+
+# ---- bench/multi_gpu.py at a tiny size on the CPU -----------------------------------------------
+
+
+def test_multi_gpu_bench_runs_small_on_the_cpu(tmp_path):
+    """``bench/multi_gpu.py --device cpu --small``: one process, then two under torchrun (Gloo);
+    the rows, the scaling numbers, context parallelism's agreement with one process, and NVLink
+    multicast off in the recorded environment."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.launchers import ROOT
+
+    out = tmp_path / "multi_gpu.json"
+    command = [sys.executable, str(ROOT / "bench" / "multi_gpu.py"), "--device", "cpu", "--small", "--steps", "1",
+               "--warmup", "0", "--repeats", "1", "--cp-warmup", "0", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    written = json.loads(out.read_text())
+    rows = {(row["what"], row["gpus"]): row for row in written["rows"]}
+    assert set(rows) == {("data parallel", 1), ("data parallel", 2), ("context parallel", 1), ("context parallel", 2)}
+    two = rows["data parallel", 2]
+    assert two["tokens_per_second"] == pytest.approx(2 * two["B_per_gpu"] * two["T"] / (two["step_ms"] / 1e3))
+    assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_second"] / (2 * rows["data parallel", 1]["tokens_per_second"]))
+    split = rows["context parallel", 2]
+    assert split["tokens_per_gpu"] == split["T"] // 2 and split["forward_backward_ms"] > 0
+    errors = split["relative_error_vs_one_process"]
+    assert set(errors) == {"o", "dq", "dk", "dv", "dg", "db", "dw"} and max(errors.values()) < 1e-5, errors
+    assert written["meta"]["environment"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}

@@ -24,6 +24,10 @@ from .xp import torch_ops
 __all__ = ["TorchCollectives", "ContextParallel", "context_parallel_gdn2"]
 
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor, deprecated there, before).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TorchCollectives(Collectives):
     """``gdn2.context_parallel.Collectives`` on ``torch.distributed`` (``group``: a process group,
     None for the default one, which must be initialised)."""
@@ -41,7 +45,7 @@ class TorchCollectives(Collectives):
     def all_gather(self, x):
         x = x.contiguous().reshape(1, *x.shape)
         out = torch.empty((self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        _all_gather_single(out, x, group=self.group)
         return out
 
     def all_sum(self, x):
