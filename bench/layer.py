@@ -4,6 +4,7 @@ training step with each.
     python bench/layer.py --device cuda                  # hidden 2048, 16 heads x 128, B=4 T=4096, bf16
     python bench/layer.py --device cpu --small           # tiny shapes: checks that everything runs
     python bench/layer.py --resources                    # glue kernels' sm_90a registers and spills, no GPU
+    python bench/layer.py --device cuda --check          # fused glue = plain glue on the GPU, every gradient
 
 Layer rows (the layer's parameters and input in ``--dtype``): ``fla`` (``fla.layers.gdn2.GatedDeltaNet2``,
 when flash-linear-attention is installed; our layer loads its ``state_dict``), ``gdn2`` (the
@@ -267,6 +268,84 @@ def bench_language_models(args, device: Device, fla_class) -> list[dict]:
     return rows
 
 
+def _outputs(layer, use_kernels: bool, x, d_out, options) -> list:
+    """Output and the gradients of x and of every parameter."""
+    layer.use_kernels = use_kernels
+    leaf = x.clone().requires_grad_(True)
+    out = layer(leaf, **options)
+    return [out] + list(torch.autograd.grad(out, [leaf] + list(layer.parameters()), d_out))
+
+
+def check_glue(args, device: Device) -> list[dict]:
+    """The layer with the fused glue against the plain glue on ``device``: output and every
+    gradient, with padding, packed sequences, grouped value heads and decoding from a cache.
+
+    float32: the two agree within 1e-4. bfloat16: both against the plain layer in float32 (same
+    weights and inputs), the fused glue at most twice the plain glue's error plus 2e-2 (the plain
+    glue rounds its convolution to bf16, the fused one does not; gradients summed over many
+    tokens, as A_log's, carry errors of a few percent in both, more on a few tokens). Prints each
+    case's worst; returns the rows ({dtype, mixer, case, worst, error, margin}: margin > 1 fails)."""
+    hidden, heads, head_dim = args.hidden // 4, max(1, args.heads // 4), args.head_dim
+    mixers = {"plain": dict(hidden_size=hidden, head_dim=head_dim, num_heads=heads),
+              "grouped": dict(hidden_size=hidden, head_dim=head_dim // 2, num_heads=heads, num_v_heads=2 * heads,
+                              conv_bias=True, allow_neg_eigval=True)}
+    T = 2 * args.T // 3 + 1  # not a multiple of any block
+    rows = []
+    for dtype_name in ("float32", "bfloat16"):
+        dtype = getattr(torch, dtype_name)
+        for mixer, config in mixers.items():
+            torch.manual_seed(args.seed)
+            exact = GatedDeltaNet2(**config).to(device.device)
+            with torch.no_grad():
+                for name, p in exact.named_parameters():
+                    if name.endswith(("o_norm.weight", ".bias")):  # away from their initial values
+                        p.uniform_(0.5, 1.5)
+            layer = GatedDeltaNet2(**config).to(device.device, dtype)
+            layer.load_state_dict(exact.state_dict())
+            names = ["output", "x"] + [name for name, _ in layer.named_parameters()]
+            for case in ("dense", "padding", "packed"):
+                B = 1 if case == "packed" else 2
+                x = torch.randn(B, T, hidden, device=device.device, dtype=dtype)
+                d_out = torch.randn(B, T, hidden, device=device.device, dtype=dtype)
+                options = {}
+                if case == "padding":
+                    mask = torch.ones(B, T, dtype=torch.int64, device=device.device)
+                    mask[0, : T // 5] = 0
+                    mask[1, T - T // 3 :] = 0
+                    options["attention_mask"] = mask
+                if case == "packed":
+                    options["cu_seqlens"] = torch.tensor([0, 1, T // 3, T], device=device.device)
+                fused, plain = (_outputs(layer, flag, x, d_out, options) for flag in (True, False))
+                if dtype == torch.float32:
+                    errors = {n: relative_difference(a, b) for n, a, b in zip(names, fused, plain)}
+                    margins = {n: e / 1e-4 for n, e in errors.items()}
+                else:
+                    reference = _outputs(exact, False, x.float(), d_out.float(), options)
+                    errors = {n: relative_difference(a, r) for n, a, r in zip(names, fused, reference)}
+                    allowed = {n: 2 * relative_difference(b, r) + 2e-2 for n, b, r in zip(names, plain, reference)}
+                    margins = {n: errors[n] / allowed[n] for n in names}
+                worst = max(margins, key=margins.get)
+                rows.append(dict(dtype=dtype_name, mixer=mixer, case=case, worst=worst, error=errors[worst],
+                                 output_error=errors["output"], margin=margins[worst]))
+                print(f"  {dtype_name:9s} {mixer:8s} {case:8s} output {errors['output']:.1e}, worst {worst} "
+                      f"{errors[worst]:.1e} ({100 * margins[worst]:.0f}% of the tolerance)", flush=True)
+            with torch.no_grad():
+                x = torch.randn(2, 9, hidden, device=device.device, dtype=dtype)
+                outs = {}
+                for use_kernels in (False, True):
+                    layer.use_kernels = use_kernels
+                    cache = layer_module.GDN2Cache()
+                    pieces = [layer(x[:, :5], cache=cache)] + [layer(x[:, t : t + 1], cache=cache) for t in range(5, 9)]
+                    outs[use_kernels] = torch.cat(pieces, 1)
+                error = relative_difference(outs[True], outs[False])
+                tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+                rows.append(dict(dtype=dtype_name, mixer=mixer, case="decode", worst="output", error=error,
+                                 output_error=error, margin=error / tolerance))
+                print(f"  {dtype_name:9s} {mixer:8s} decode   output {error:.1e} ({100 * error / tolerance:.0f}% of the "
+                      "tolerance)", flush=True)
+    return rows
+
+
 def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
     """Each glue kernel with the pointer dtypes and constants its launcher uses in the layer
     (``inp``: the projections' dtype; training: no bias, no state, no padding, no packing)."""
@@ -341,6 +420,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--skip-lm", action="store_true", help="layer rows only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=OUT / "layer.json")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the fused glue with the plain glue on the device (every gradient); no timing")
     parser.add_argument("--resources", action="store_true",
                         help="compile the glue kernels for sm_90a and print registers, spills, shared memory; no timing")
     args = parser.parse_args(argv)
@@ -358,6 +439,14 @@ def main(argv=None) -> list[dict]:
     if name.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device: {name} requested but this torch has no usable CUDA device")
     device = Device(name)
+    if args.check:
+        print(f"fused glue against plain glue on {name} (relative differences):", flush=True)
+        rows = check_glue(args, device)
+        failed = [f"{r['dtype']} {r['mixer']} {r['case']} ({r['worst']})" for r in rows if not r["margin"] <= 1]
+        if failed:
+            raise SystemExit(f"bench/layer.py --check: over the tolerance: {', '.join(failed)}")
+        print("every case within its tolerance")
+        return rows
 
     fla_class, fla_problem = fla_layer_class()
     if fla_problem is not None:

@@ -4,6 +4,7 @@ with the Triton interpreter, the fused-kernel rows too."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -80,3 +81,13 @@ def test_cuda_requested_without_cuda_is_a_clear_error(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--small"])
     assert "--device: cuda requested but this torch has no usable CUDA device" in capsys.readouterr().err
+
+
+def test_check_compares_fused_and_plain_glue_under_the_interpreter(bench, capsys):
+    """``--check`` at a tiny shape: float32 within its tolerance in every case; bf16 rows present
+    with outputs at bf16 rounding (a few tokens make the summed bf16 gradients' verdict noisy)."""
+    args = argparse.Namespace(hidden=64, heads=2, head_dim=16, T=12, seed=0)
+    rows = bench.check_glue(args, bench.Device("cpu"))
+    assert len(rows) == 16 and {r["case"] for r in rows} == {"dense", "padding", "packed", "decode"}
+    assert all(r["margin"] <= 1 for r in rows if r["dtype"] == "float32"), rows
+    assert all(r["output_error"] < 3e-2 for r in rows if r["dtype"] == "bfloat16"), rows
