@@ -11,9 +11,9 @@
   ``dA = -(d(wv) Uw^T + d_bkd Wk^T)``; dA and dP go to memory, so that the key launch reads
   entries (i, i - d) and (j + d, j) as plain row-indexed vectors.
 * ``intra_backward_keys`` (chunk x head x block of key columns): the WY adjoint, the adjoints of
-  the gated bilinear forms ``A`` and ``P`` (window sums on the diagonal 16x16 blocks, an anchor
-  row of G off the diagonal) and the reverse cumulative sum that turns the gradient of ``G`` into
-  that of ``g``. P's diagonal and the k-to-end and gamma terms go straight to dq, dk and dg (they
+  the gated bilinear forms ``A`` and ``P`` (window sums on the diagonal 16x16 blocks, span sums
+  through the row before each sub-block off the diagonal) and the reverse cumulative sum that
+  turns the gradient of ``G`` into that of ``g``. P's diagonal and the k-to-end and gamma terms go straight to dq, dk and dg (they
   cancel in dG only to rounding).
 """
 
@@ -248,7 +248,12 @@ def _intra_backward_keys_kernel(
     bk = b_tile * k_tile
     decay = tl.exp(G_tile)
     G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
-    decay_to_end = tl.exp(G_last[None, :] - G_tile)
+    # Every exponent below is a span of log decays summed directly (no difference of cumulative
+    # sums: a hard reset, g = -inf or -1e6, would cost all precision or give inf - inf).
+    g_tile = tl.load(g + key_offsets, mask=mask, other=0.0).to(tl.float32)
+    next_ok = k_ok[None, :] & (t[:, None] + 1 < T) & (rows[:, None] < C - 1)
+    g_next = tl.load(g + key_offsets + H * K, mask=next_ok, other=0.0).to(tl.float32)  # g_{i+1}
+    decay_to_end = tl.exp(tl.cumsum(g_next, 0, reverse=True))  # g_{i+1} + ... + g_last
 
     d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_tile
     d_G = d_q_decayed * q_tile * decay + d_bk_decayed * bk * decay
@@ -260,11 +265,14 @@ def _intra_backward_keys_kernel(
     d_q_P = tl.zeros((C, BKB), dtype=tl.float32)
     d_k_pair = tl.zeros((C, BKB), dtype=tl.float32)
     for I in range(1, C // 16):
-        anchor = tl.load(G + i_bh * N * C * K + (i_n * C + I * 16 - 1) * K + cols_k, mask=k_ok, other=0.0)
+        # Through the last row before sub-block I: left = exp(g_{16 I} + ... + g_i) for i in the
+        # sub-block, right = exp(g_{j+1} + ... + g_{16 I - 1}) for j before it.
         in_block = (rows >= I * 16) & (rows < I * 16 + 16)
         before = rows < I * 16
-        left = tl.exp(tl.where(in_block[:, None], G_tile - anchor[None, :], float("-inf")))
-        right = tl.exp(tl.where(before[:, None], anchor[None, :] - G_tile, float("-inf")))
+        into_block = tl.cumsum(tl.where((rows >= I * 16)[:, None], g_tile, 0.0), 0)
+        up_to_block = tl.cumsum(tl.where((rows < I * 16 - 1)[:, None], g_next, 0.0), 0, reverse=True)
+        left = tl.exp(tl.where(in_block[:, None], into_block, float("-inf")))
+        right = tl.exp(tl.where(before[:, None], up_to_block, float("-inf")))
         block = in_block[:, None] & before[None, :]
         d_A_block = tl.load(d_A_scratch + chunk_matrix, mask=block, other=0.0)
         d_P_block = tl.load(d_P_scratch + chunk_matrix, mask=block, other=0.0)
