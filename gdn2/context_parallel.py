@@ -38,7 +38,15 @@ all-reduced), so a model whose initial state comes from parameters trains correc
 The collectives come from the framework's own distributed engine through a ``Collectives``
 adapter (``gdn2.torch.context_parallel`` for ``torch.distributed``, ``gdn2.mlx.context_parallel``
 for ``mx.distributed``); every rank must make the same calls in the same order, with the same
-arguments apart from its segment of q, k, v, g, b, w, and run the backward when one does.
+arguments apart from its segment of q, k, v, g, b, w, and run the backward when one does. MLX
+evaluates lazily: the collectives of one call wait for its inputs and for each other, but two
+independent computations evaluated by one ``mx.eval`` may reach other ranks' collectives in
+another order, so evaluate one before building the next (a training step's loss and gradients are
+one computation).
+
+Cost: a rank that carries a state in runs its segment with ``K + V`` value columns instead of
+``V`` (rank 0 runs the plain width), so with equal segments the carrying ranks take longer; the
+exchange itself is ``size x [K, K + V]`` per row and head, once forward and once backward.
 """
 
 from __future__ import annotations

@@ -125,6 +125,8 @@ class MLXWorld(World):
         """The world of ``mlx.launch`` (``mx.distributed.init()``), or ``single`` when alone."""
         import mlx.core as mx
 
+        if TorchWorld.launched():
+            raise ValueError("framework: torchrun starts PyTorch's processes; launch MLX's with mlx.launch")
         group = mx.distributed.init()
         return cls(group) if group.size() > 1 else single
 
@@ -142,6 +144,8 @@ class MLXWorld(World):
 def torch_world(device, data_parallel: bool):
     """``(world, device)`` for a PyTorch trainer: torchrun's processes when launched by it and
     ``data_parallel``, else ``single`` (the device unchanged)."""
+    if data_parallel and "MLX_RANK" in os.environ:
+        raise ValueError("framework: mlx.launch starts MLX's processes; launch PyTorch's with torchrun")
     if not data_parallel or not TorchWorld.launched():
         return single, device
     world = TorchWorld(device)
