@@ -12,8 +12,10 @@ per GPU, and the scaling efficiency (tokens per second over N times one GPU's).
 Context-parallel rows (``--what cp``): forward and forward+backward of one sequence, B=1,
 T=131,072, H=16, K=V=128, bf16 (float32 on the CPU): ``chunk_gdn2`` on one GPU,
 ``gdn2.torch.context_parallel.context_parallel_gdn2`` with the sequence split in equal segments on
-N; median ms, peak memory per GPU, and (``--check``, on by default) each rank's relative error of
-its outputs and input gradients against ``chunk_gdn2`` on the whole sequence in the same process.
+N; median ms, peak memory per GPU, and (on by default, ``--no-check`` skips it) each rank's
+relative error of its outputs and input gradients against ``chunk_gdn2`` on the whole sequence in
+the same process. Every rank but 0 runs its segment with K + V value columns (its map of the
+state), rank 0 with V: ``--cp-first 0.6`` gives rank 0 60% of the tokens to even the work out.
 
 Each GPU count runs in processes of its own (one GPU: ``python``, more: ``torchrun --standalone``),
 with NVLink multicast left off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
@@ -141,7 +143,8 @@ def data_parallel_row(ranks: Ranks, sizes: dict, dtype: str | None, seed: int) -
     return row
 
 
-def context_parallel_row(ranks: Ranks, sizes: dict, dtype_name: str, check: bool, seed: int) -> dict:
+def context_parallel_row(ranks: Ranks, sizes: dict, dtype_name: str, check: bool, seed: int,
+                         first_share: float | None = None) -> dict:
     torch = ranks.torch
     from gdn2.context_parallel import split_offsets
     from gdn2.torch import chunk_gdn2, which_path
@@ -161,7 +164,11 @@ def context_parallel_row(ranks: Ranks, sizes: dict, dtype_name: str, check: bool
     whole = {name: x.to(dtype) for name, x in whole.items()}
     d_o = (rand(1, T, H, V) - 0.5).to(dtype)
     del q, k
-    bounds = split_offsets(T, ranks.size)
+    lengths = None
+    if first_share is not None and ranks.size > 1:  # rank 0 runs the plain width: it may take more tokens
+        first = round(T * first_share)
+        lengths = [first] + [(T - first) // (ranks.size - 1) + (r < (T - first) % (ranks.size - 1)) for r in range(ranks.size - 1)]
+    bounds = split_offsets(T, ranks.size, lengths)
     lo, hi = bounds[ranks.rank], bounds[ranks.rank + 1]
     if ranks.size == 1:
         operator = chunk_gdn2
@@ -186,7 +193,7 @@ def context_parallel_row(ranks: Ranks, sizes: dict, dtype_name: str, check: bool
     ranks.reset_memory()
     forward_backward_ms = ranks.timed(forward_backward, sizes["repeats"], sizes["cp_warmup"])
     row = dict(what="context parallel", gpus=ranks.size, device=str(device.type), dtype=dtype_name, B=1, T=T, H=H, K=K,
-               V=V, tokens_per_gpu=hi - lo, path=path, forward_ms=forward_ms, forward_backward_ms=forward_backward_ms,
+               V=V, tokens_per_gpu=hi - lo, segments=list(map(int, bounds)), path=path, forward_ms=forward_ms, forward_backward_ms=forward_backward_ms,
                peak_gib_per_gpu=ranks.peak_gib())
     if check and ranks.size > 1:
         # Each rank's part of the outputs and input gradients against chunk_gdn2 on the whole sequence.
@@ -220,7 +227,7 @@ def worker(args) -> None:
     if "cp" in args.what:
         ranks.reset_memory()
         dtype = args.dtype or ("bfloat16" if ranks.device.type == "cuda" else "float32")
-        rows.append(context_parallel_row(ranks, sizes, dtype, args.check, args.seed))
+        rows.append(context_parallel_row(ranks, sizes, dtype, args.check, args.seed, args.cp_first))
     if ranks.rank == 0:
         Path(args.worker).write_text(json.dumps(rows))
     ranks.sync()  # then gdn2.distributed closes the process group at exit, on every rank together
@@ -286,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--what", default="dp,cp", help="dp (data parallel), cp (context parallel), or both")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--cp-first", type=float, default=None,
+                        help="context parallel: the share of the tokens rank 0 takes (default: equal segments); "
+                             "the other ranks run K + V value columns, rank 0 only V")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="context parallel: skip the comparison with one process on the whole sequence")
     for name in FULL:
