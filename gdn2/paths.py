@@ -85,6 +85,9 @@ class Framework:
     load_kernel: Callable[[], KernelBackend]
     chunk: Callable[..., tuple]
     kernel_runs_recurrent: bool = False
+    # True while a graph compiler traces the call (torch.compile): the choice is then not logged,
+    # since logging takes a lock that the tracer cannot follow (a graph break); eager calls log it.
+    tracing: Callable[[], bool] = lambda: False
 
 
 def requested_path(path: str | None) -> tuple[str | None, str]:
@@ -166,7 +169,8 @@ def run(framework: Framework, q, k, v, g, b, w, *, scale, initial_state, output_
     dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens)
     scale = default_scale(dims.K, scale)
     choice = which_path(framework, q, k, v, g, b, w, initial_state, chunk_size, path)
-    announce(framework.name, choice)
+    if not framework.tracing():
+        announce(framework.name, choice)
     inputs = dict(q=q, k=k, v=v, g=g, b=b, w=w)
     if choice.path == "kernel":
         backend, _ = load_kernel(framework)

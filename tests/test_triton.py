@@ -206,3 +206,21 @@ def test_kernel_path_compiles_without_graph_breaks(seed, interpreter):
     compiled_grads = torch.autograd.grad(compiled(*tensors), tensors)
     for eager, traced in zip(eager_grads, compiled_grads):
         torch.testing.assert_close(traced, eager)
+
+
+@kernel_only
+def test_public_entry_on_the_kernel_path_compiles_without_graph_breaks(seed, interpreter):
+    """chunk_gdn2(path="kernel") under torch.compile: validation and path choice are traced (the
+    choice is logged by eager calls only), the kernels are two operators: one graph, no break."""
+    tensors = _compile_case(seed)
+
+    def loss(q, k, v, g, b, w, state):
+        o, final_state = chunk_gdn2(q, k, v, g, b, w, initial_state=state, output_final_state=True, path="kernel")
+        return (o * o).sum() + final_state.sum()
+
+    eager = loss(*tensors)  # eager first: the choice is logged and the interpreter probed here
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(loss)(*tensors)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(loss, backend="aot_eager", fullgraph=True)(*tensors), eager)

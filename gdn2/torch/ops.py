@@ -91,8 +91,8 @@ def _chunk(q, k, v, g, b, w, *, scale, initial_state, chunk_size, sequences):
 def check_not_inference(arrays: dict) -> None:
     """Inference tensors (made under ``torch.inference_mode()``) cannot be saved for a backward
     pass: with gradients recorded for another input, name the argument (torch's own error does not)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return  # torch.compile cannot trace the inference-mode queries (a graph break), nor needs them
     given = {name: x for name, x in arrays.items() if isinstance(x, torch.Tensor)}
     learning = [name for name, x in given.items() if x.requires_grad]
     if not learning:
@@ -174,7 +174,8 @@ def _triton_backend() -> KernelBackend:
     )
 
 
-TORCH = Framework(name="torch", ops=torch_ops, kernel_name="Triton kernel", load_kernel=_triton_backend, chunk=_chunk)
+TORCH = Framework(name="torch", ops=torch_ops, kernel_name="Triton kernel", load_kernel=_triton_backend, chunk=_chunk,
+                  tracing=torch.compiler.is_compiling)
 
 
 def which_path(q, k, v, g, b, w, initial_state=None, chunk_size: int = 64, path: str | None = None) -> PathChoice:
