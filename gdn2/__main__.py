@@ -182,7 +182,8 @@ def cmd_train(parser, args) -> int:
     task, model_config, train = _build(parser, args)
     out = _output_folder(parser, args.out or Path("runs") / f"train-{args.framework}-{task.name}")
     try:
-        trainer = make_trainer(args.framework, model_config, starting_weights(model_config, train.seed), train, args.device,
+        weights = starting_weights(model_config, train.seed, args.framework)
+        trainer = make_trainer(args.framework, model_config, weights, train, args.device,
                                args.dtype, args.compile, data_parallel=True)
     except ValueError as error:  # --device, --dtype, --compile, or --batch-size over processes
         parser.error(_as_option(str(error)))

@@ -459,23 +459,31 @@ def make_trainer(framework: str, model_config: ModelConfig, weights, train: Trai
     raise ValueError(f"framework: expected torch or mlx, received {framework!r}")
 
 
-def starting_weights(model_config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+def starting_weights(model_config: ModelConfig, seed: int, framework: str = "torch") -> dict[str, np.ndarray]:
     """The framework-independent initial weights of a model, ``{name: float32 array}``.
 
-    The parameter names and shapes come from building the model once in whichever framework is
-    installed (both give the same names); the values from ``gdn2.weights.initial_weights``.
+    The parameter names and shapes come from building the model once in ``framework`` where it is
+    installed, else in the other (both give the same names; an MLX process need not import torch);
+    the values from ``gdn2.weights.initial_weights``.
     """
-    try:
+
+    def torch_shapes():
         from .torch.layer import GDN2LanguageModel
 
-        model = GDN2LanguageModel(model_config)
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    except ImportError:
+        return {name: tuple(p.shape) for name, p in GDN2LanguageModel(model_config).named_parameters()}
+
+    def mlx_shapes():
         from mlx.utils import tree_flatten
 
         from .mlx.layer import GDN2LanguageModel as MLXModel
 
-        shapes = {name: tuple(p.shape) for name, p in tree_flatten(MLXModel(model_config).parameters())}
+        return {name: tuple(p.shape) for name, p in tree_flatten(MLXModel(model_config).parameters())}
+
+    first, second = (mlx_shapes, torch_shapes) if framework == "mlx" else (torch_shapes, mlx_shapes)
+    try:
+        shapes = first()
+    except ImportError:
+        shapes = second()
     return initial_weights(shapes, seed)
 
 
