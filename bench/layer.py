@@ -379,10 +379,12 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
     out["decay backward"] = (gates._decay_backward_kernel,
                              dict(f=inp, A_log=f32, dt_bias=f32, dg=f32, df=inp, d_shift_parts=f32, d_rate_parts=f32),
                              {}, dict(BR=gates.ROW_BLOCK, BD=channels), gates.WARPS)
+    _, sigmoid_rows, sigmoid_channels = gates._sigmoid_grid(1, hidden)
+    sigmoid_blocks = dict(BR=sigmoid_rows, BD=sigmoid_channels)
     out["sigmoid forward"] = (gates._sigmoid_forward_kernel, dict(x=inp, y=f32), dict(scale=f32),
-                              dict(BLOCK=gates.ELEMENT_BLOCK), gates.WARPS)
+                              sigmoid_blocks, gates.WARPS)
     out["sigmoid backward"] = (gates._sigmoid_backward_kernel, dict(x=inp, dy=f32, dx=inp), dict(scale=f32),
-                               dict(BLOCK=gates.ELEMENT_BLOCK), gates.WARPS)
+                               sigmoid_blocks, gates.WARPS)
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -91,3 +92,17 @@ def test_check_compares_fused_and_plain_glue_under_the_interpreter(bench, capsys
     assert len(rows) == 16 and {r["case"] for r in rows} == {"dense", "padding", "packed", "decode"}
     assert all(r["margin"] <= 1 for r in rows if r["dtype"] == "float32"), rows
     assert all(r["output_error"] < 3e-2 for r in rows if r["dtype"] == "bfloat16"), rows
+
+
+def test_resource_table_names_every_kernel_argument(bench):
+    """``--resources`` compiles each glue kernel from this table (no GPU, no interpreter): every
+    pointer, float scalar and constant it names is an argument, and every constexpr is given."""
+    table = bench.glue_kernels(hidden=256, head_dim=128, inp="bf16")
+    assert len(table) == 14
+    for name, (kernel, pointers, scalars, constants, warps) in table.items():
+        arguments = set(kernel.arg_names)
+        assert set(pointers) | set(scalars) | set(constants) <= arguments, name
+        parameters = inspect.signature(getattr(kernel, "fn", kernel)).parameters.values()
+        constexprs = {p.name for p in parameters if "constexpr" in str(p.annotation)}
+        assert constexprs == set(constants), (name, constexprs ^ set(constants))
+        assert warps in (4, 8)

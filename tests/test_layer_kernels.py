@@ -142,6 +142,33 @@ def test_short_convolution_backward_walks_several_blocks_per_program(monkeypatch
     compare_conv(case, 12, torch.float32, TIGHT)
 
 
+@pytest.mark.parametrize("B, T", [(3, 17), (2, 1), (1, 9)])
+def test_short_convolution_reads_a_channel_slice_in_place(B, T, seed):
+    """x as the layer passes it: channels sliced out of one wider projection output."""
+    generator = torch.Generator().manual_seed(seed)
+    wide = torch.randn(B, T, 40, generator=generator, requires_grad=True)
+    x = torch.split(wide, [8, 16, 16], dim=-1)[1]
+    assert conv.row_stride(x) == 40
+    weight = torch.randn(16, 1, 4, generator=generator, requires_grad=True)
+    state = torch.randn(B, 3, 16, generator=generator)
+    d_y = torch.randn(B, T, 16, generator=generator)
+    fused = conv.short_convolution(x, weight, state=state, head_dim=8)
+    expected = plain_conv(dict(module=ShortConvolution(16, 4), mask=None, positions=None), x.detach().clone().requires_grad_(True),
+                          weight, None, state, 8)
+    close("y", fused, expected, TIGHT)
+    got, want = gradients(fused, [wide, weight], d_y), gradients(expected, [weight], d_y)
+    close("dweight", got[1], want[0], TIGHT)
+    assert not got[0][..., :8].any() and not got[0][..., 24:].any()
+
+
+def test_row_stride_of_strided_tensors():
+    assert conv.row_stride(torch.zeros(2, 5, 8)) == 8
+    assert conv.row_stride(torch.zeros(2, 5, 24)[..., 8:16]) == 24
+    assert conv.row_stride(torch.zeros(2, 1, 24)[..., 8:16]) == 24  # T = 1: rows are batch rows
+    assert conv.row_stride(torch.zeros(5, 2, 8).transpose(0, 1)) is None  # rows not evenly spaced
+    assert conv.row_stride(torch.zeros(2, 8, 5).transpose(1, 2)) is None  # a row not contiguous
+
+
 def test_short_convolution_rejects_bad_arguments():
     x, weight = torch.zeros(2, 5, 8), torch.zeros(8, 1, 4)
     with pytest.raises(ValueError, match=r"weight: expected 3 dimensions, received shape \[8, 4\]"):
@@ -262,6 +289,13 @@ def test_sigmoid_gate_matches_the_plain_code(scale, dtype, seed):
     torch_dtype, tolerance = DTYPES[dtype]
     generator = torch.Generator().manual_seed(seed)
     x = leaf(torch.randn(3, 1 + 4096 // 7, 7, generator=generator) * 4, torch_dtype)  # not a multiple of the block
+    if dtype == "float32":  # a channel slice of a wider tensor, read in place
+        x = leaf(torch.randn(3, 1 + 4096 // 7, 19, generator=generator) * 4)
+        fused_wide = gates.sigmoid_gate(x[..., 5:12], scale)
+        wide_grad = gradients(fused_wide, [x], torch.ones(3, 1 + 4096 // 7, 7))[0]
+        close("y of a slice", fused_wide, torch.sigmoid(x[..., 5:12].detach()) * scale, TIGHT)
+        assert not wide_grad[..., :5].any() and not wide_grad[..., 12:].any()
+        x = leaf(x[..., 5:12].detach())
     d_y = torch.randn(x.shape, generator=generator)
     fused = gates.sigmoid_gate(x, scale)
     x_ref = leaf(x.detach().float())
@@ -276,7 +310,7 @@ def test_gates_reject_bad_arguments():
         gates.decay_gate(torch.zeros(2, 12), torch.zeros(3), torch.zeros(6))
     with pytest.raises(ValueError, match=r"A_log: expected shape \[H\] with H dividing 12, received \[5\]"):
         gates.decay_gate(torch.zeros(2, 12), torch.zeros(5), torch.zeros(12))
-    with pytest.raises(ValueError, match="x: expected a torch.Tensor, received list"):
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor with at least one dimension, received list"):
         gates.sigmoid_gate([1.0])
 
 
@@ -374,7 +408,7 @@ def test_layer_with_kernels_decodes_from_its_cache(seed):
     close("outputs", fused, expected, TIGHT)
     close("recurrent state", fused_cache.recurrent_state, cache.recurrent_state, TIGHT)
     for got, want in zip(fused_cache.conv_state, cache.conv_state):
-        close("conv state", got, want, 0.0)
+        close("conv state", got, want, TIGHT)  # the projections as one product: rounding apart
 
 
 def test_which_glue_choices(monkeypatch, fresh_path_log):

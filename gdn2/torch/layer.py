@@ -138,7 +138,8 @@ class GatedDeltaNet2(nn.Module):
     ``use_kernels`` (an attribute, settable after construction): the steps around the operator
     (short convolutions with SiLU and the q/k L2 normalisation, the gates, the gated output norm)
     run as fused Triton kernels (``gdn2/torch/triton/conv.py``, ``norm.py``, ``gates.py``) with
-    tensors kept in the operator's ``[B, T, H, D]`` layout, or as the plain PyTorch code of this
+    tensors kept in the operator's ``[B, T, H, D]`` layout and the seven projections of the input
+    as one matrix product, or as the plain PyTorch code of this
     file (the reference and the CPU path). None: automatic, then the ``GDN2_LAYER_KERNELS``
     environment variable (``1`` or ``0``) decides, else the kernels on CUDA; True: the kernels
     (CPU tensors need ``TRITON_INTERPRET=1``), giving way to the plain code with one warning where
@@ -249,12 +250,15 @@ class GatedDeltaNet2(nn.Module):
             from triton.errors import TritonError
 
             try:
-                q, k, v, g, b, w, conv_states = self._fused_inputs(x, mask, conv_states, positions, keep_conv_states)
+                q, k, v, g, b, w, conv_states, gate_low = self._fused_inputs(
+                    x, mask, conv_states, positions, keep_conv_states
+                )
             except TritonError as error:  # compilation, resources or the interpreter: the plain code runs
                 _glue_failed(error)
                 fused = False
         if not fused:
             q, k, v, g, b, w, conv_states = self._plain_inputs(x, mask, conv_states, positions)
+            gate_low = None
         if self.groups > 1:
             q, k, g, b = (t.repeat_interleave(self.groups, dim=2) for t in (q, k, g, b))
         if mask is not None:
@@ -275,7 +279,7 @@ class GatedDeltaNet2(nn.Module):
             cache.conv_state = conv_states if self.use_short_conv else None
             cache.offset += T
 
-        gate = self.g_proj(x)
+        gate = self.g_proj(x) if gate_low is None else self.g_proj[1](gate_low)
         normed = None
         if fused:
             from triton.errors import TritonError
@@ -349,7 +353,8 @@ class GatedDeltaNet2(nn.Module):
 
     def _fused_inputs(self, x, mask, conv_states, positions, keep_conv_states: bool):
         """As ``_plain_inputs``, through the fused Triton kernels: each result is written once,
-        float32, in the operator's layout (no transposes, casts or copies around it)."""
+        float32, in the operator's layout (no transposes, casts or copies around it). Also
+        returns ``g_proj[0](x)``, computed here with the other projections."""
         from .triton.conv import short_convolution
         from .triton.gates import decay_gate, sigmoid_gate
         from .triton.norm import l2_normalize as l2_normalize_kernel
@@ -357,15 +362,24 @@ class GatedDeltaNet2(nn.Module):
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         f32 = torch.float32
+        # The seven projections of x as one matrix product: x cast once under autocast (not once
+        # per projection), one product for its gradient (no sum of seven), larger products. Each
+        # projection is a channel slice of the result; the kernels read the slices in place.
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.w_proj, self.f_proj[0], self.g_proj[0])
+        device = x.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        weight = torch.cat([p.weight if low is None else p.weight.to(low) for p in projections])
+        q_in, k_in, v_in, b_in, w_in, f_low, gate_low = torch.split(
+            F.linear(x, weight), [p.out_features for p in projections], dim=-1
+        )
         if self.use_short_conv:
             where = None if positions is None else torch.as_tensor(positions, dtype=torch.int32, device=x.device)[None]
             convolved, new_states = [], []
-            for conv, projection, state, head_dim in (
-                (self.q_conv1d, self.q_proj, conv_states[0], K),
-                (self.k_conv1d, self.k_proj, conv_states[1], K),
-                (self.v_conv1d, self.v_proj, conv_states[2], None),
+            for conv, inputs, state, head_dim in (
+                (self.q_conv1d, q_in, conv_states[0], K),
+                (self.k_conv1d, k_in, conv_states[1], K),
+                (self.v_conv1d, v_in, conv_states[2], None),
             ):
-                inputs = projection(x)
                 convolved.append(short_convolution(
                     inputs, conv.weight, conv.bias, state, where, mask, head_dim=head_dim, out_dtype=f32,
                 ))
@@ -374,14 +388,14 @@ class GatedDeltaNet2(nn.Module):
             q, k, v = convolved
             conv_states = tuple(new_states) if keep_conv_states else conv_states
         else:
-            q = l2_normalize_kernel(self.q_proj(x), K, silu=True, out_dtype=f32)
-            k = l2_normalize_kernel(self.k_proj(x), K, silu=True, out_dtype=f32)
-            v = F.silu(self.v_proj(x)).float()
-        g = decay_gate(self.f_proj(x), self.A_log, self.dt_bias)
-        b = sigmoid_gate(self.b_proj(x), 2.0 if self.allow_neg_eigval else 1.0)
-        w = sigmoid_gate(self.w_proj(x))
+            q = l2_normalize_kernel(q_in, K, silu=True, out_dtype=f32)
+            k = l2_normalize_kernel(k_in, K, silu=True, out_dtype=f32)
+            v = F.silu(v_in).float()
+        g = decay_gate(self.f_proj[1](f_low), self.A_log, self.dt_bias)
+        b = sigmoid_gate(b_in, 2.0 if self.allow_neg_eigval else 1.0)
+        w = sigmoid_gate(w_in)
         q, k, g, b = (t.view(B, T, H, K) for t in (q, k, g, b))
-        return q, k, v.view(B, T, HV, V), g, b, w.view(B, T, HV, V), conv_states
+        return q, k, v.view(B, T, HV, V), g, b, w.view(B, T, HV, V), conv_states, gate_low
 
 
 _glue_failure: str | None = None  # why the fused kernels failed in this process (then not tried again)

@@ -43,11 +43,12 @@ BACKWARD_PROGRAMS = 1024  # programs of the backward in all (fewer when there ar
 
 
 @triton.jit
-def _inputs(x, state, mask, i_b, s, T, D, cols, col_ok, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr):
+def _inputs(x, state, mask, i_b, s, T, D, stride_x, cols, col_ok, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr):
     """Rows ``s`` of the convolution input as a float32 tile: ``x`` for ``0 <= s < T`` (zero at
-    padding), the state's row ``W - 1 + s`` for ``-(W - 1) <= s < 0``, zero elsewhere."""
+    padding; rows ``stride_x`` elements apart), the state's row ``W - 1 + s`` for
+    ``-(W - 1) <= s < 0``, zero elsewhere."""
     in_x = (s >= 0) & (s < T)
-    tile = tl.load(x + (i_b * T + s)[:, None] * D + cols[None, :], mask=in_x[:, None] & col_ok[None, :], other=0.0)
+    tile = tl.load(x + (i_b * T + s)[:, None] * stride_x + cols[None, :], mask=in_x[:, None] & col_ok[None, :], other=0.0)
     tile = tile.to(tl.float32)
     if HAS_MASK:
         keep = tl.load(mask + i_b * T + s, mask=in_x, other=0) != 0
@@ -62,7 +63,7 @@ def _inputs(x, state, mask, i_b, s, T, D, cols, col_ok, W: tl.constexpr, HAS_STA
 
 @triton.jit
 def _pre_activation(
-    x, weight, bias, state, positions, mask, i_b, t, T, D, cols, col_ok,
+    x, weight, bias, state, positions, mask, i_b, t, T, D, stride_x, cols, col_ok,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
@@ -72,7 +73,7 @@ def _pre_activation(
         position = tl.load(positions + i_b * T + t, mask=(t >= 0) & (t < T), other=0)
     for j in tl.static_range(W):
         back = W - 1 - j
-        tile = _inputs(x, state, mask, i_b, t - back, T, D, cols, col_ok, W, HAS_STATE, HAS_MASK)
+        tile = _inputs(x, state, mask, i_b, t - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
         if HAS_POSITIONS:
             tile = tl.where((position >= back)[:, None], tile, 0.0)
         tap = tl.load(weight + cols * W + j, mask=col_ok, other=0.0).to(tl.float32)
@@ -85,7 +86,7 @@ def _pre_activation(
 @triton.jit
 def _conv_forward_kernel(
     x, weight, bias, state, positions, mask, y,  # [B, T, D], [D, W], [D], [B, W - 1, D], [B, T], [B, T], [B, T, D]
-    T, D, eps,
+    T, D, stride_x, eps,
     W: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -97,7 +98,7 @@ def _conv_forward_kernel(
     lane = tl.arange(0, BD)
     cols = i_c * CH + lane
     col_ok = (lane < CH) & (cols < D)
-    z = _pre_activation(x, weight, bias, state, positions, mask, i_b, t, T, D, cols, col_ok,
+    z = _pre_activation(x, weight, bias, state, positions, mask, i_b, t, T, D, stride_x, cols, col_ok,
                         W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK)
     out = z * tl.sigmoid(z)  # channels outside the block have z = 0, out = 0
     if NORMALIZE:
@@ -108,13 +109,13 @@ def _conv_forward_kernel(
 
 @triton.jit
 def _pre_activation_grad(
-    x, weight, bias, state, positions, mask, dy, i_b, t, T, D, cols, col_ok, eps,
+    x, weight, bias, state, positions, mask, dy, i_b, t, T, D, stride_x, cols, col_ok, eps,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
 ):
     """The gradient of ``z`` at steps ``t`` (zero at steps outside ``[0, T)``), ``z`` recomputed."""
-    z = _pre_activation(x, weight, bias, state, positions, mask, i_b, t, T, D, cols, col_ok,
+    z = _pre_activation(x, weight, bias, state, positions, mask, i_b, t, T, D, stride_x, cols, col_ok,
                         W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK)
     row_ok = (t >= 0) & (t < T)
     d_out = tl.load(dy + (i_b * T + t)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -131,7 +132,7 @@ def _pre_activation_grad(
 
 @triton.jit
 def _input_grad(
-    x, weight, bias, state, positions, mask, dy, i_b, s, T, D, cols, col_ok, eps, dz_first,
+    x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps, dz_first,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -142,7 +143,7 @@ def _input_grad(
     grad = dz_first * last[None, :]
     for m in tl.static_range(1, W):
         t = s + m
-        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, t, T, D, cols, col_ok, eps,
+        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, t, T, D, stride_x, cols, col_ok, eps,
                                   W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
         if HAS_POSITIONS:  # step t reaches back m steps only inside its own sequence
             position = tl.load(positions + i_b * T + t, mask=(t >= 0) & (t < T), other=0)
@@ -156,7 +157,7 @@ def _input_grad(
 def _conv_backward_kernel(
     x, weight, bias, state, positions, mask, dy,  # as the forward; dy [B, T, D]
     dx, d_weight_parts, d_bias_parts, d_state,  # [B, T, D], [B * P, D, W] f32, [B * P, D] f32, [B, W - 1, D]
-    T, D, eps, P, row_blocks,
+    T, D, stride_x, eps, P, row_blocks,
     W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -172,19 +173,19 @@ def _conv_backward_kernel(
     d_bias = tl.zeros((BD,), dtype=tl.float32)
     for block in range(i_p, row_blocks, P):
         s = block * BT + tl.arange(0, BT)
-        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, cols, col_ok, eps,
+        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps,
                                   W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
         # Weight and bias: dz of this block's steps against the inputs each tap read.
         if HAS_POSITIONS:
             position = tl.load(positions + i_b * T + s, mask=s < T, other=0)
         for j in tl.static_range(W):
             back = W - 1 - j
-            tile = _inputs(x, state, mask, i_b, s - back, T, D, cols, col_ok, W, HAS_STATE, HAS_MASK)
+            tile = _inputs(x, state, mask, i_b, s - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
             if HAS_POSITIONS:
                 tile = tl.where((position >= back)[:, None], tile, 0.0)
             d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
         d_bias += tl.sum(dz, 0)
-        grad = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, cols, col_ok, eps, dz,
+        grad = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps, dz,
                            W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
         if HAS_MASK:
             keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
@@ -194,9 +195,9 @@ def _conv_backward_kernel(
         if HAS_STATE:
             if block == 0:  # the state's rows are the steps -(W - 1) .. -1
                 r = tl.arange(0, BS) - (W - 1)
-                dz_r = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, cols, col_ok,
+                dz_r = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, stride_x, cols, col_ok,
                                             eps, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-                grad_r = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, cols, col_ok, eps,
+                grad_r = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, stride_x, cols, col_ok, eps,
                                      dz_r, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
                 tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
                          grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
@@ -205,6 +206,19 @@ def _conv_backward_kernel(
              mask=col_ok[:, None] & (taps < W)[None, :])
     if HAS_BIAS:
         tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
+
+
+def row_stride(x: torch.Tensor) -> int | None:
+    """The distance between consecutive rows (b, t) of ``x [B, T, D]`` in elements, None when they
+    are not evenly spaced or a row is not contiguous. Contiguous tensors and channel slices of a
+    wider projection output (``torch.split`` along the last dimension) have one."""
+    B, T, D = x.shape
+    if D > 1 and x.stride(2) != 1:
+        return None
+    stride = x.stride(0) if T == 1 else x.stride(1)
+    if B > 1 and T > 1 and x.stride(0) != T * stride:
+        return None
+    return stride
 
 
 def step_block(BD: int) -> int:
@@ -226,7 +240,8 @@ def _flags(bias, state, positions, mask, head_dim) -> dict:
 
 
 def conv_forward(x, weight, bias, state, positions, mask, y, head_dim: int | None, eps: float) -> None:
-    """Launch the forward: writes ``y`` ``[B, T, D]`` (contiguous tensors; weight ``[D, W]``)."""
+    """Launch the forward: writes ``y`` ``[B, T, D]`` (rows of x ``row_stride(x)`` apart, the
+    other tensors contiguous; weight ``[D, W]``)."""
     B, T, D = x.shape
     W = weight.shape[1]
     CH, BD, channel_programs = _channel_blocks(D, head_dim)
@@ -234,7 +249,7 @@ def conv_forward(x, weight, bias, state, positions, mask, y, head_dim: int | Non
     _conv_forward_kernel[(triton.cdiv(T, BT), channel_programs, B)](
         x, weight, x if bias is None else bias, x if state is None else state,
         x if positions is None else positions, x if mask is None else mask, y,
-        T, D, eps, W=W, CH=CH, BT=BT, BD=BD, **_flags(bias, state, positions, mask, head_dim),
+        T, D, row_stride(x), eps, W=W, CH=CH, BT=BT, BD=BD, **_flags(bias, state, positions, mask, head_dim),
         num_warps=FORWARD_WARPS,
     )
 
@@ -248,7 +263,7 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
     BT = step_block(BD)
     row_blocks = triton.cdiv(T, BT)
     P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs)))
-    dx = torch.empty_like(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
     d_state = None if state is None else torch.empty_like(state)
     f32 = dict(dtype=torch.float32, device=x.device)
     d_weight_parts = torch.empty(B * P, D, W, **f32)
@@ -257,7 +272,7 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
         x, weight, x if bias is None else bias, x if state is None else state,
         x if positions is None else positions, x if mask is None else mask, dy,
         dx, d_weight_parts, d_bias_parts, dx if d_state is None else d_state,
-        T, D, eps, P, row_blocks,
+        T, D, row_stride(x), eps, P, row_blocks,
         W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
         **_flags(bias, state, positions, mask, head_dim),
         num_warps=BACKWARD_WARPS,
@@ -348,6 +363,6 @@ def short_convolution(
         mask = mask.contiguous().view(torch.uint8)
     if head_dim is not None and (head_dim < 1 or D % head_dim):
         raise ValueError(f"head_dim: expected a divisor of the {D} channels, received {head_dim}")
-    return ShortConvolutionFunction.apply(
-        x.contiguous(), weight, bias, state, positions, mask, head_dim, float(eps), out_dtype or x.dtype
-    )
+    if row_stride(x) is None:
+        x = x.contiguous()
+    return ShortConvolutionFunction.apply(x, weight, bias, state, positions, mask, head_dim, float(eps), out_dtype or x.dtype)

@@ -22,7 +22,7 @@ import triton.language as tl
 WARPS = 4
 ROW_BLOCK = 8
 CHANNEL_BLOCK = 128
-ELEMENT_BLOCK = 1024
+ELEMENT_BLOCK = 1024  # elements per tile of the sigmoid
 BACKWARD_PROGRAMS = 1024
 
 
@@ -127,45 +127,65 @@ def decay_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> t
 
 
 @triton.jit
-def _sigmoid_forward_kernel(x, y, N, scale, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < N
-    value = tl.load(x + offsets, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y + offsets, scale * tl.sigmoid(value), mask=ok)
+def _sigmoid_forward_kernel(x, y, R, D, stride_x, scale, BR: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = (rows < R)[:, None] & (cols < D)[None, :]
+    value = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(y + rows[:, None] * D + cols[None, :], scale * tl.sigmoid(value), mask=ok)
 
 
 @triton.jit
-def _sigmoid_backward_kernel(x, dy, dx, N, scale, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < N
-    opening = tl.sigmoid(tl.load(x + offsets, mask=ok, other=0.0).to(tl.float32))
+def _sigmoid_backward_kernel(x, dy, dx, R, D, stride_x, scale, BR: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = (rows < R)[:, None] & (cols < D)[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    opening = tl.sigmoid(tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32))
     d_out = tl.load(dy + offsets, mask=ok, other=0.0).to(tl.float32)
     tl.store(dx + offsets, (d_out * scale * opening * (1.0 - opening)).to(dx.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last dimension]`` with contiguous rows (a view of a channel slice of a
+    wider tensor where possible, else a copy)."""
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    return rows if rows.shape[1] <= 1 or rows.stride(1) == 1 else rows.contiguous()
+
+
+def _sigmoid_grid(R: int, D: int):
+    BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
+    BR = max(1, ELEMENT_BLOCK // BD)
+    return (triton.cdiv(R, BR), triton.cdiv(D, BD)), BR, BD
 
 
 class SigmoidGateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale: float):
+        rows = _rows(x)
+        R, D = rows.shape
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        N = x.numel()
-        _sigmoid_forward_kernel[(triton.cdiv(N, ELEMENT_BLOCK),)](x, y, N, scale, BLOCK=ELEMENT_BLOCK, num_warps=WARPS)
-        ctx.save_for_backward(x)
-        ctx.scale = scale
+        grid, BR, BD = _sigmoid_grid(R, D)
+        _sigmoid_forward_kernel[grid](rows, y, R, D, rows.stride(0), scale, BR=BR, BD=BD, num_warps=WARPS)
+        ctx.save_for_backward(rows)
+        ctx.scale, ctx.shape = scale, x.shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        N = x.numel()
-        _sigmoid_backward_kernel[(triton.cdiv(N, ELEMENT_BLOCK),)](
-            x, dy.contiguous(), dx, N, ctx.scale, BLOCK=ELEMENT_BLOCK, num_warps=WARPS
+        (rows,) = ctx.saved_tensors
+        R, D = rows.shape
+        dx = torch.empty(ctx.shape, dtype=rows.dtype, device=rows.device)
+        grid, BR, BD = _sigmoid_grid(R, D)
+        _sigmoid_backward_kernel[grid](
+            rows, dy.contiguous(), dx, R, D, rows.stride(0), ctx.scale, BR=BR, BD=BD, num_warps=WARPS
         )
         return dx, None
 
 
 def sigmoid_gate(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``scale * sigmoid(x)``, float32, x's shape; differentiable in x."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x: expected a torch.Tensor, received {type(x).__name__}")
-    return SigmoidGateFunction.apply(x.contiguous(), float(scale))
+    """``scale * sigmoid(x)``, float32, x's shape; differentiable in x. A channel slice of a wider
+    tensor (rows evenly spaced) is read in place."""
+    if not isinstance(x, torch.Tensor) or x.ndim < 1:
+        raise ValueError(f"x: expected a torch.Tensor with at least one dimension, received {type(x).__name__}")
+    return SigmoidGateFunction.apply(x, float(scale))
