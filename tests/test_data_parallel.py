@@ -122,12 +122,12 @@ def test_multi_gpu_bench_runs_small_on_the_cpu(tmp_path):
     import subprocess
     import sys
 
-    from tests.launchers import ROOT
+    from tests.launchers import ROOT, subprocess_environment
 
     out = tmp_path / "multi_gpu.json"
     command = [sys.executable, str(ROOT / "bench" / "multi_gpu.py"), "--device", "cpu", "--small", "--steps", "1",
                "--warmup", "0", "--repeats", "1", "--cp-warmup", "0", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=subprocess_environment())
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     written = json.loads(out.read_text())
     rows = {(row["what"], row["gpus"]): row for row in written["rows"]}
