@@ -8,6 +8,9 @@ The same algorithm, arguments and conventions as ``gdn2.torch.context_parallel``
     cp = ContextParallel(group)
     cp.apply(model)                                        # every GatedDeltaNet2 in model
     logits = model(cp.split(input_ids))                    # this rank's segment of [B, T]
+
+Each rank's parameter gradients are its tokens' share: sum them over the group
+(``mx.distributed.all_sum``), as data parallelism averages them.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ conventions: ``gdn2.context_parallel``). ``ContextParallel`` puts a model's laye
     cp = ContextParallel()                                 # the default group
     cp.apply(model)                                        # every GatedDeltaNet2 in model
     logits = model(cp.split(input_ids))                    # this rank's segment of [B, T]
+    loss = cross_entropy(logits, cp.split(targets), reduction="sum")   # this rank's tokens
+    loss.backward()                                        # then all-reduce (sum) the parameters'
+                                                           # gradients over the group, as DDP does
+
+Each rank's parameter gradients are its tokens' share (the layers' convolution and state
+exchanges carry the cross-rank terms); summed over ranks they are one process's gradients.
 """
 
 from __future__ import annotations
