@@ -120,6 +120,23 @@ def _diagonal_tiles(k, g, q_tile, bk, key_base, t0, I: tl.constexpr, T, HK, cols
 
 
 @triton.jit
+def _store_lower_product(out, D, out_ok, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, y0, y1, y2, y3,
+                         DOT: tl.constexpr):
+    """Store ``X @ [y0; y1; y2; y3]`` for the block lower-triangular X (16-row tiles), one row block
+    at a time, at ``out`` (row stride D)."""
+    dtype = out.dtype.element_ty
+    tl.store(out, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
+    rows1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
+    tl.store(out + 16 * D, rows1.to(dtype), mask=out_ok)
+    rows2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
+    rows2 += tl.dot(X22, y2, input_precision=DOT)
+    tl.store(out + 32 * D, rows2.to(dtype), mask=out_ok)
+    rows3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
+    rows3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
+    tl.store(out + 48 * D, rows3.to(dtype), mask=out_ok)
+
+
+@triton.jit
 def _intra_forward_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
     G_out, qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
@@ -293,16 +310,8 @@ def _intra_forward_kernel(
         y1 = bk1 * e1
         y2 = bk2 * e2
         y3 = bk3 * e3
-        dtype = Wk_out.dtype.element_ty
-        tl.store(Wk_out + rows_k, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
-        W1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
-        tl.store(Wk_out + rows_k + 16 * K, W1.to(dtype), mask=out_ok)
-        W2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
-        W2 += tl.dot(X22, y2, input_precision=DOT)
-        tl.store(Wk_out + rows_k + 32 * K, W2.to(dtype), mask=out_ok)
-        W3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
-        W3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
-        tl.store(Wk_out + rows_k + 48 * K, W3.to(dtype), mask=out_ok)
+        _store_lower_product(Wk_out + rows_k, K, out_ok, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+                             y0, y1, y2, y3, DOT)
 
     # Uw = X (w v), one value block at a time.
     value_base = i_b * T * H * V + i_h * V
@@ -324,16 +333,8 @@ def _intra_forward_kernel(
         ok = (t + 48 < T)[:, None] & col_ok[None, :]
         offsets += 16 * H * V
         y3 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
-        dtype = Uw_out.dtype.element_ty
-        tl.store(Uw_out + rows_v, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
-        W1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
-        tl.store(Uw_out + rows_v + 16 * V, W1.to(dtype), mask=out_ok)
-        W2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
-        W2 += tl.dot(X22, y2, input_precision=DOT)
-        tl.store(Uw_out + rows_v + 32 * V, W2.to(dtype), mask=out_ok)
-        W3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
-        W3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
-        tl.store(Uw_out + rows_v + 48 * V, W3.to(dtype), mask=out_ok)
+        _store_lower_product(Uw_out + rows_v, V, out_ok, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+                             y0, y1, y2, y3, DOT)
 
 
 def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
