@@ -57,15 +57,15 @@ def test_numpy_array_or_list_among_the_inputs(framework, position, seed):
         bad[position] = wrong
         with pytest.raises(ValueError) as error:
             module(framework).chunk_gdn2(*bad)
-        assert str(error.value) == f"{name}: expected {TYPE[framework]} (the type of q), received {received}"
+        assert str(error.value) == f"{name}: expected {TYPE[framework]}, received {received}"
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_initial_state_and_offsets_of_another_type(framework, seed):
     args, _, x = operator_args(framework, seed)
-    with pytest.raises(ValueError, match=rf"initial_state: expected {TYPE[framework]} \(the type of q\), received numpy.ndarray"):
+    with pytest.raises(ValueError, match=rf"initial_state: expected {TYPE[framework]}, received numpy.ndarray"):
         module(framework).chunk_gdn2(*args, initial_state=x["initial_state"].astype(np.float32))
-    with pytest.raises(ValueError, match=rf"cu_seqlens: expected {TYPE[framework]} \(the type of q\), received list"):
+    with pytest.raises(ValueError, match=rf"cu_seqlens: expected {TYPE[framework]}, received list"):
         module(framework).chunk_gdn2(*args, cu_seqlens=[0, 4, 10])
     with pytest.raises(ValueError, match=rf"^cu_seqlens: expected {TYPE[framework]}, received list$"):
         module(framework).layer.GatedDeltaNet2(hidden_size=8, head_dim=4, num_heads=2)(
@@ -76,9 +76,9 @@ def test_initial_state_and_offsets_of_another_type(framework, seed):
 def test_torch_tensors_passed_to_mlx(seed):
     args, state, _ = operator_args("mlx", seed)
     torch_args, torch_state, _ = operator_args("torch", seed)
-    with pytest.raises(ValueError, match=r"k: expected mlx.core.array \(the type of q\), received torch.Tensor"):
+    with pytest.raises(ValueError, match=r"k: expected mlx.core.array, received torch.Tensor"):
         gm.chunk_gdn2(args[0], torch_args[1], *args[2:])
-    with pytest.raises(ValueError, match=r"initial_state: expected mlx.core.array \(the type of q\), received torch.Tensor"):
+    with pytest.raises(ValueError, match=r"initial_state: expected mlx.core.array, received torch.Tensor"):
         gm.chunk_gdn2(*args, initial_state=torch_state)
 
 
@@ -268,3 +268,18 @@ def test_layer_takes_parsed_offsets_as_well():
     with torch.no_grad():
         expected = layer(x, cu_seqlens=offsets)
         np.testing.assert_array_equal(layer(x, cu_seqlens=parse_cu_seqlens(offsets, 1, 5)).numpy(), expected.numpy())
+
+
+def test_public_entries_name_an_array_of_the_other_library():
+    """q of the wrong library through the public entry points (not only validate itself)."""
+    torch = pytest.importorskip("torch")
+    mx = pytest.importorskip("mlx.core")
+    from gdn2.mlx import chunk_gdn2 as mlx_chunk_gdn2
+    from gdn2.torch import chunk_gdn2 as torch_chunk_gdn2
+
+    x = [torch.randn(1, 4, 1, 8) for _ in range(6)]
+    with pytest.raises(ValueError, match=r"q: expected torch.Tensor, received numpy.ndarray"):
+        torch_chunk_gdn2(np.zeros((1, 4, 1, 8), dtype=np.float32), *x[1:])
+    with pytest.raises(ValueError, match=r"q: expected mlx.core.array, received torch.Tensor"):
+        mlx_chunk_gdn2(*x)
+    assert mx is not None
