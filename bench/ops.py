@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gdn2.spec import INPUT_NAMES, PATHS, random_inputs
 from gdn2.testing import median_ms
+from gdn2.train import device_name
 
 OUT = Path(__file__).with_name("out")
 
@@ -93,7 +94,7 @@ def bench_mlx(inputs, args, path):
     def forward_backward():
         mx.eval(grad(*arrays, state))
 
-    row = dict(device=str(mx.default_device()), reason=choice.reason)
+    row = dict(device=device_name(mx.default_device()), reason=choice.reason)
     if path == "kernel":
         row.update(metal_counted(args, dtype))
     for name, run in (("forward", forward), ("forward_backward", forward_backward)):

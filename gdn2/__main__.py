@@ -265,7 +265,7 @@ def cmd_demo(argv: list[str], prog: str) -> int:
     if not {"-h", "--help"} & set(argv):
         sizes.parse_known_args(argv)  # --T 0 -> "--T: expected an integer >= 1, received 0"
     try:
-        return demo.main(argv) or 0
+        return demo.main(argv, prog) or 0
     except ValueError as error:  # bad input the demo's own options let through: one line, no traceback
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2

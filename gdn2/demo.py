@@ -49,8 +49,8 @@ def _which_path(framework: str, inputs, chunk_size: int, path: str):
     return which_path(*arrays, chunk_size=chunk_size, path=path)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gdn2 demo", description=__doc__)
+def main(argv=None, prog: str = "python -m gdn2 demo") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--B", type=int, default=2)
     parser.add_argument("--T", type=int, default=200)
     parser.add_argument("--H", type=int, default=4)
