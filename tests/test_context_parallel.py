@@ -24,7 +24,10 @@ from gdn2.xp import numpy_ops
 from tests.launchers import ROOT, fresh_seed, mlx_launch, torchrun
 
 WORKER = str(ROOT / "tests" / "context_parallel_worker.py")
-TOLERANCE = 3e-6  # float32 against float32: measured up to 7e-7
+# float32 against float32: measured up to 7e-7 for the operator and 3.1e-6 for the layer's dA_log
+# gradient (one number per head summed over every token and rank, in another order than one
+# process sums it); the controls below are off by 1e-2 and more.
+TOLERANCE = 1e-5
 CONTROL = 1e-2  # a segment run without what the earlier ranks send is this far off at least
 
 
