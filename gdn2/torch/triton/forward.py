@@ -77,8 +77,8 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
 
-    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
-    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
+    Returns q, k, b * k and g ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix
+    ``R`` and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
     """
     r = tl.arange(0, 16)
     t = t0 + I * 16 + r
@@ -93,29 +93,26 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     L = tl.cumsum(g_tile, 0)
     R = tl.cumsum(g_next, 0, reverse=True)
     total = tl.sum(g_tile, 0)
-    return q_tile, k_tile, bk, L, R, total
+    return q_tile, k_tile, bk, g_tile, L, R, total
 
 
 @triton.jit
-def _diagonal_tiles(k, g, q_tile, bk, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, A_II, P_II):
+def _diagonal_tiles(q_tile, k_tile, bk, g_tile, A_II, P_II):
     """Add one key block's share of the diagonal tiles ``A_II`` (strictly lower) and ``P_II``.
 
-    Column j at a time, from the last: ``E[i] = exp(g_{j+1} + ... + g_i)`` for ``i >= j`` (1 at
-    ``i = j``, 0 above), updated by one per-step decay, so every pair keeps its own span.
+    All 16 x 16 spans at once, as a [16, 16, BK] tensor: ``span[i, j] = g_{j+1} + ... + g_i``
+    (a cumulative sum over i of the steps after j, so every pair keeps its own span and a bad
+    value at step s reaches rows i >= s only); entries on and above the diagonal are selected
+    away after the products.
     """
     r = tl.arange(0, 16)
-    E = tl.zeros(q_tile.shape, dtype=tl.float32)
-    for step in range(16):
-        j = 15 - step
-        t_j = t0 + I * 16 + j + 0 * cols  # the row's token, as a vector (masks need one)
-        k_j = tl.load(k + key_base + t_j * HK + cols, mask=col_ok & (t_j < T), other=0.0).to(tl.float32)
-        g_next = tl.load(g + key_base + (t_j + 1) * HK + cols, mask=col_ok & (t_j + 1 < T) & (t_j < t0 + I * 16 + 15), other=0.0)
-        E = tl.where(r[:, None] > j, E * tl.exp(g_next.to(tl.float32))[None, :], tl.where(r[:, None] == j, 1.0, 0.0))
-        kE = E * k_j[None, :]
-        a_column = tl.sum(bk * kE, 1)
-        p_column = tl.sum(q_tile * kE, 1)
-        A_II += tl.where((r[None, :] == j) & (r[:, None] > j), a_column[:, None], 0.0)
-        P_II += tl.where((r[None, :] == j) & (r[:, None] >= j), p_column[:, None], 0.0)
+    after_j = r[:, None, None] > r[None, :, None]
+    span = tl.cumsum(tl.where(after_j, g_tile[:, None, :], 0.0), 0)
+    kE = tl.exp(span) * k_tile[None, :, :]
+    a = tl.sum(bk[:, None, :] * kE, 2)
+    p = tl.sum(q_tile[:, None, :] * kE, 2)
+    A_II += tl.where(r[:, None] > r[None, :], a, 0.0)
+    P_II += tl.where(r[:, None] >= r[None, :], p, 0.0)
     return A_II, P_II
 
 
@@ -181,12 +178,12 @@ def _intra_forward_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
-        A00, P00 = _diagonal_tiles(k, g, q0, bk0, key_base, t0, 0, T, HK, cols, col_ok, A00, P00)
+        q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        A00, P00 = _diagonal_tiles(q0, k0_, bk0, g0, A00, P00)
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
-        A11, P11 = _diagonal_tiles(k, g, q1, bk1, key_base, t0, 1, T, HK, cols, col_ok, A11, P11)
+        q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        A11, P11 = _diagonal_tiles(q1, k1, bk1, g1, A11, P11)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -194,8 +191,8 @@ def _intra_forward_kernel(
         right0 = right0 * decay1[None, :]
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
-        A22, P22 = _diagonal_tiles(k, g, q2, bk2, key_base, t0, 2, T, HK, cols, col_ok, A22, P22)
+        q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        A22, P22 = _diagonal_tiles(q2, k2, bk2, g2, A22, P22)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
@@ -206,8 +203,8 @@ def _intra_forward_kernel(
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
-        A33, P33 = _diagonal_tiles(k, g, q3, bk3, key_base, t0, 3, T, HK, cols, col_ok, A33, P33)
+        q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        A33, P33 = _diagonal_tiles(q3, k3, bk3, g3, A33, P33)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -272,10 +269,10 @@ def _intra_forward_kernel(
         col_ok = cols < K
         rows_k = (padded + r[:, None]) * K + cols[None, :]
         out_ok = (r[:, None] >= 0) & col_ok[None, :]
-        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
-        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
-        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
-        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
         d1 = tl.exp(s1)
         d2 = tl.exp(s2)
         d3 = tl.exp(s3)
