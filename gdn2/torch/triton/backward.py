@@ -11,7 +11,7 @@
   ``dA = -(d(wv) Uw^T + d_bkd Wk^T)``; dA and dP go to memory, so that the key launch reads
   entries (i, i - d) and (j + d, j) as plain row-indexed vectors.
 * ``intra_backward_keys`` (chunk x head x block of key columns): the WY adjoint, the adjoints of
-  the gated bilinear forms ``A`` and ``P`` (window sums on the diagonal 16x16 blocks, span sums
+  the gated bilinear forms ``A`` and ``P`` (all spans of a diagonal 16x16 block at once, span sums
   through the row before each sub-block off the diagonal) and the reverse cumulative sum that
   turns the gradient of ``G`` into that of ``g``. P's diagonal and the k-to-end and gamma terms go straight to dq, dk and dg (they
   cancel in dG only to rounding).
@@ -284,37 +284,37 @@ def _intra_backward_keys_kernel(
             + tl.dot(tl.trans(d_P_block), q_tile * left, input_precision=DOT)
         )
 
-    window_back = tl.zeros((C, BKB), dtype=tl.float32)
-    window_ahead = tl.zeros((C, BKB), dtype=tl.float32)
-    for d in range(1, 16):
-        window_back += tl.load(
-            g + key_offsets - (d - 1) * (H * K), mask=mask & (rows[:, None] >= d - 1), other=0.0
-        ).to(tl.float32)
-        ahead_rows = k_ok[None, :] & (t[:, None] + d < T) & (rows[:, None] + d < C)
-        window_ahead += tl.load(g + key_offsets + d * (H * K), mask=ahead_rows, other=0.0).to(tl.float32)
-        has_back = (rows % 16) >= d
-        decay_back = tl.exp(tl.where(has_back[:, None], window_back, float("-inf")))
-        k_back = tl.load(k + key_offsets - d * (H * K), mask=mask & has_back[:, None], other=0.0).to(tl.float32)
-        k_back = k_back * decay_back
-        # entries (i, i - d) of dA and dP, read as vectors over i
-        back_entry = chunk_base + rows * C + rows - d
-        d_A_d = tl.load(d_A_scratch + back_entry, mask=has_back, other=0.0)
-        d_P_d = tl.load(d_P_scratch + back_entry, mask=has_back, other=0.0)
-        d_bk_A += d_A_d[:, None] * k_back
-        d_q_P += d_P_d[:, None] * k_back
-
-        has_ahead = (rows % 16) + d < 16
-        decay_ahead = tl.exp(tl.where(has_ahead[:, None], window_ahead, float("-inf")))
-        ahead_mask = k_ok[None, :] & (t[:, None] + d < T) & has_ahead[:, None]
-        q_ahead = tl.load(q + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32)
-        bk_ahead = tl.load(b + key_offsets + d * (H * K), mask=ahead_mask, other=0.0).to(tl.float32) * tl.load(
-            k + key_offsets + d * (H * K), mask=ahead_mask, other=0.0
-        ).to(tl.float32)
-        # entries (j + d, j), read as vectors over j
-        ahead_entry = chunk_base + (rows + d) * C + rows
-        d_A_ahead = tl.load(d_A_scratch + ahead_entry, mask=has_ahead, other=0.0)
-        d_P_ahead = tl.load(d_P_scratch + ahead_entry, mask=has_ahead, other=0.0)
-        d_k_pair += (d_A_ahead[:, None] * bk_ahead + d_P_ahead[:, None] * q_ahead) * decay_ahead
+    # The diagonal 16x16 blocks, all spans of a sub-block at once as [16, 16, BKB] tensors:
+    # span[i, j] = g_{j+1} + ... + g_i, a cumulative sum over i of the steps after j.
+    r16 = tl.arange(0, 16)
+    later = r16[:, None, None] > r16[None, :, None]
+    in_sub_block = tl.arange(0, C // 16)[:, None, None]
+    diagonal_bk_A = tl.zeros((C // 16, 16, BKB), dtype=tl.float32)
+    diagonal_q_P = tl.zeros((C // 16, 16, BKB), dtype=tl.float32)
+    diagonal_k = tl.zeros((C // 16, 16, BKB), dtype=tl.float32)
+    for I in tl.static_range(C // 16):
+        t_I = i_n * C + I * 16 + r16
+        mask_I = (t_I < T)[:, None] & k_ok[None, :]
+        offsets_I = key_in + t_I[:, None] * (H * K) + cols_k[None, :]
+        q_I = tl.load(q + offsets_I, mask=mask_I, other=0.0).to(tl.float32)
+        k_I = tl.load(k + offsets_I, mask=mask_I, other=0.0).to(tl.float32)
+        bk_I = tl.load(b + offsets_I, mask=mask_I, other=0.0).to(tl.float32) * k_I
+        g_I = tl.load(g + offsets_I, mask=mask_I, other=0.0).to(tl.float32)
+        tile = chunk_base + (I * 16 + r16)[:, None] * C + (I * 16 + r16)[None, :]
+        strictly = r16[:, None] > r16[None, :]
+        d_A_I = tl.load(d_A_scratch + tile)  # zero on and above the diagonal
+        d_P_I = tl.where(strictly, tl.load(d_P_scratch + tile), 0.0)  # its diagonal is read apart
+        E = tl.where(later, tl.exp(tl.cumsum(tl.where(later, g_I[:, None, :], 0.0), 0)), 0.0)
+        k_E = E * k_I[None, :, :]
+        bk_A = tl.sum(d_A_I[:, :, None] * k_E, 1)
+        q_P = tl.sum(d_P_I[:, :, None] * k_E, 1)
+        k_pair = tl.sum(E * (d_A_I[:, :, None] * bk_I[:, None, :] + d_P_I[:, :, None] * q_I[:, None, :]), 0)
+        diagonal_bk_A += tl.where(in_sub_block == I, bk_A[None, :, :], 0.0)
+        diagonal_q_P += tl.where(in_sub_block == I, q_P[None, :, :], 0.0)
+        diagonal_k += tl.where(in_sub_block == I, k_pair[None, :, :], 0.0)
+    d_bk_A += tl.reshape(diagonal_bk_A, (C, BKB))
+    d_q_P += tl.reshape(diagonal_q_P, (C, BKB))
+    d_k_pair += tl.reshape(diagonal_k, (C, BKB))
 
     d_q += d_q_P
     d_bk += d_bk_A
