@@ -52,6 +52,9 @@ CHECK_SHAPES = [
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
     dict(INTRA_FORWARD_WARPS=8),
+    dict(INTRA_FORWARD_KEY_BLOCK=16),
+    dict(INTRA_FORWARD_KEY_BLOCK=16, INTRA_FORWARD_WARPS=8),
+    dict(INTRA_BACKWARD_KEY_BLOCK=16),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

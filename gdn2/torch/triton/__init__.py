@@ -154,6 +154,9 @@ def _backward_shapes(q, k, v, g, b, w, saved, d_o, d_final, scale, has_initial):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, b, w, initial_state, scale = inputs
+    # The saved buffers are outputs nobody differentiates: without this, autograd would fill a
+    # zero gradient for each of them (their full size in memory and time).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, g, b, w, *output[2:])
     ctx.scale = scale
     ctx.has_initial = initial_state is not None
