@@ -97,6 +97,10 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
         {}, dict(K=K, V=V, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), BV=min(32, max(16, triton.next_power_of_2(V))), DOT=dot),
         fk.INTRA_FORWARD_WARPS,
     )
+    out["diagonal"] = (
+        fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32), {}, dict(K=K, BK=bk),
+        fk.DIAGONAL_WARPS,
+    )
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, initial_state=f32, states=f32, U_out=f32, final_state=f32),

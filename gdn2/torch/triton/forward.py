@@ -43,6 +43,7 @@ CHUNK = 64
 
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 4
+DIAGONAL_WARPS = 4
 INTRA_FORWARD_KEY_BLOCK = 32
 STATE_WARPS = 4
 OUTPUT_WARPS = 4
@@ -97,23 +98,47 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
 
 
 @triton.jit
-def _diagonal_tiles(q_tile, k_tile, bk, g_tile, A_II, P_II):
-    """Add one key block's share of the diagonal tiles ``A_II`` (strictly lower) and ``P_II``.
-
-    All 16 x 16 spans at once, as a [16, 16, BK] tensor: ``span[i, j] = g_{j+1} + ... + g_i``
-    (a cumulative sum over i of the steps after j, so every pair keeps its own span and a bad
-    value at step s reaches rows i >= s only); entries on and above the diagonal are selected
-    away after the products.
-    """
+def _diagonal_kernel(
+    q, k, g, b,  # inputs [B, T, H, K]
+    P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
+    T, H, K: tl.constexpr, N, BK: tl.constexpr,
+):
+    """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
+    sub-block per program, one row i at a time: ``E[j] = exp(g_{j+1} + ... + g_i)`` for every
+    column j < i is the previous row's times ``exp(g_i)`` (products of per-step decays: every pair
+    keeps its own span, a hard reset zeroes the spans through it, and a bad value at step s
+    reaches rows s and later only). Entries above the row's diagonal are selected away."""
+    i_s = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_n = i_s // 4
+    I = i_s % 4
+    i_b = i_bh // H
+    i_h = i_bh % H
     r = tl.arange(0, 16)
-    after_j = r[:, None, None] > r[None, :, None]
-    span = tl.cumsum(tl.where(after_j, g_tile[:, None, :], 0.0), 0)
-    kE = tl.exp(span) * k_tile[None, :, :]
-    a = tl.sum(bk[:, None, :] * kE, 2)
-    p = tl.sum(q_tile[:, None, :] * kE, 2)
-    A_II += tl.where(r[:, None] > r[None, :], a, 0.0)
-    P_II += tl.where(r[:, None] >= r[None, :], p, 0.0)
-    return A_II, P_II
+    cols = tl.arange(0, BK)
+    col_ok = cols < K
+    HK = H * K
+    first = i_n * 64 + I * 16  # the sub-block's first token
+    rows = i_b * T * HK + i_h * K + (first + r)[:, None] * HK + cols[None, :]
+    k_tile = tl.load(k + rows, mask=(first + r < T)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    E = tl.zeros((16, BK), dtype=tl.float32)
+    tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
+    for i in range(16):
+        row = i_b * T * HK + i_h * K + (first + i) * HK + cols
+        row_ok = col_ok & (first + i + 0 * cols < T)  # a vector: the interpreter needs one
+        decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
+        q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
+        bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
+        E = tl.where(r[:, None] < i, E * decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
+        k_E = k_tile * E
+        tl.store(A_out + tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
+        tl.store(P_out + tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
+
+
+@triton.jit
+def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
+    r = tl.arange(0, 16)
+    return tl.load(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :])
 
 
 @triton.jit
@@ -152,20 +177,12 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
 
-    A00 = tl.zeros((16, 16), dtype=tl.float32)
-    A11 = tl.zeros((16, 16), dtype=tl.float32)
-    A22 = tl.zeros((16, 16), dtype=tl.float32)
-    A33 = tl.zeros((16, 16), dtype=tl.float32)
     A10 = tl.zeros((16, 16), dtype=tl.float32)
     A20 = tl.zeros((16, 16), dtype=tl.float32)
     A21 = tl.zeros((16, 16), dtype=tl.float32)
     A30 = tl.zeros((16, 16), dtype=tl.float32)
     A31 = tl.zeros((16, 16), dtype=tl.float32)
     A32 = tl.zeros((16, 16), dtype=tl.float32)
-    P00 = tl.zeros((16, 16), dtype=tl.float32)
-    P11 = tl.zeros((16, 16), dtype=tl.float32)
-    P22 = tl.zeros((16, 16), dtype=tl.float32)
-    P33 = tl.zeros((16, 16), dtype=tl.float32)
     P10 = tl.zeros((16, 16), dtype=tl.float32)
     P20 = tl.zeros((16, 16), dtype=tl.float32)
     P21 = tl.zeros((16, 16), dtype=tl.float32)
@@ -179,11 +196,9 @@ def _intra_forward_kernel(
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
-        A00, P00 = _diagonal_tiles(q0, k0_, bk0, g0, A00, P00)
         right0 = k0_ * tl.exp(R0)
 
         q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
-        A11, P11 = _diagonal_tiles(q1, k1, bk1, g1, A11, P11)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -192,7 +207,6 @@ def _intra_forward_kernel(
         right1 = k1 * tl.exp(R1)
 
         q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
-        A22, P22 = _diagonal_tiles(q2, k2, bk2, g2, A22, P22)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
@@ -204,7 +218,6 @@ def _intra_forward_kernel(
         right2 = k2 * tl.exp(R2)
 
         q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
-        A33, P33 = _diagonal_tiles(q3, k3, bk3, g3, A33, P33)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -213,12 +226,14 @@ def _intra_forward_kernel(
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
 
-    # X = (I + A)^{-1}: diagonal tiles by forward substitution, the others by the blocked
+    # X = (I + A)^{-1}: diagonal tiles by forward substitution (A's diagonal tiles are where
+    # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written), the others by the blocked
     # formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32 products).
-    X00 = _inverse_unit_lower_16(A00)
-    X11 = _inverse_unit_lower_16(A11)
-    X22 = _inverse_unit_lower_16(A22)
-    X33 = _inverse_unit_lower_16(A33)
+    matrix = X_out + (i_bh * N + i_n) * 64 * 64
+    X00 = _inverse_unit_lower_16(_load_tile(matrix, 0, 0))
+    X11 = _inverse_unit_lower_16(_load_tile(matrix, 1, 1))
+    X22 = _inverse_unit_lower_16(_load_tile(matrix, 2, 2))
+    X33 = _inverse_unit_lower_16(_load_tile(matrix, 3, 3))
     X10 = -_ieee(X11, _ieee(A10, X00))
     X21 = -_ieee(X22, _ieee(A21, X11))
     X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
@@ -228,22 +243,18 @@ def _intra_forward_kernel(
 
     matrix = P_out + (i_bh * N + i_n) * 64 * 64
     zero = tl.zeros((16, 16), dtype=tl.float32)
-    _store_tile(matrix, 0, 0, P00)
     _store_tile(matrix, 0, 1, zero)
     _store_tile(matrix, 0, 2, zero)
     _store_tile(matrix, 0, 3, zero)
     _store_tile(matrix, 1, 0, P10)
-    _store_tile(matrix, 1, 1, P11)
     _store_tile(matrix, 1, 2, zero)
     _store_tile(matrix, 1, 3, zero)
     _store_tile(matrix, 2, 0, P20)
     _store_tile(matrix, 2, 1, P21)
-    _store_tile(matrix, 2, 2, P22)
     _store_tile(matrix, 2, 3, zero)
     _store_tile(matrix, 3, 0, P30)
     _store_tile(matrix, 3, 1, P31)
     _store_tile(matrix, 3, 2, P32)
-    _store_tile(matrix, 3, 3, P33)
     matrix = X_out + (i_bh * N + i_n) * 64 * 64
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 0, 1, zero)
@@ -335,7 +346,7 @@ def _intra_forward_kernel(
 
 
 def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
-    """Launch the in-chunk kernel. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated:
+    """Launch the in-chunk kernels (the diagonal tiles, then the rest). Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated:
     ``G, qd, kd, Wk`` ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma``
     ``[B, H, N, K]`` and ``P, X`` ``[B, H, N, 64, 64]``."""
     B, T, H, K = q.shape
@@ -343,6 +354,9 @@ def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precisio
     N = P.shape[2]
     BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     BV = min(32, max(16, triton.next_power_of_2(V)))
+    _diagonal_kernel[(N * 4, B * H)](
+        q, k, g, b, P, X, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), num_warps=DIAGONAL_WARPS, num_stages=1,
+    )
     _intra_forward_kernel[(N, B * H)](
         q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
