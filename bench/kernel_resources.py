@@ -92,7 +92,7 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
     fk = forward
     out["intra_forward"] = (
         fk._intra_forward_kernel,
-        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, G_out=f32, qd_out=f32, kd_out=f32, Wk_out=f32,
+        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, qd_out=f32, kd_out=f32, Wk_out=f32,
              Uw_out=f32, gamma_out=f32, P_out=f32, X_out=f32),
         {}, dict(K=K, V=V, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), BV=min(32, max(16, triton.next_power_of_2(V))), DOT=dot),
         fk.INTRA_FORWARD_WARPS,
@@ -137,9 +137,9 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
     )
     out["intra_backward_keys"] = (
         bw._intra_backward_keys_kernel,
-        dict(q=inp, k=inp, g=inp, b=inp, G=f32, d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma_in=f32,
+        dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma_in=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, dg=inp, db=inp),
-        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_KEYS_WARPS,
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot), bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     return out
 

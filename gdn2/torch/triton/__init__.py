@@ -76,14 +76,14 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
 # The kernels run inside PyTorch custom operators (``gdn2::triton_forward``,
 # ``gdn2::triton_backward``) with their autograd and fake (shape-only) implementations registered,
 # so that torch.compile sees two opaque operators instead of breaking its graph at each launch.
-SAVED = ("G", "qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
+SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 
 
 def _saved_shapes(B: int, T: int, H: int, K: int, V: int) -> list[tuple[int, ...]]:
     """Shapes of the forward's saved buffers, in the order of ``SAVED`` (float32, padded chunks)."""
     N = -(-T // CHUNK)
     rows = N * CHUNK
-    return [(B, H, rows, K)] * 3 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, CHUNK, CHUNK)] * 2 + [
+    return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, CHUNK, CHUNK)] * 2 + [
         (B, H, N, K, V), (B, H, rows, V)]
 
 
@@ -97,16 +97,16 @@ def _forward(
     B, T, H, K = q.shape
     V = v.shape[-1]
     precision = _dot_precision(q.device)
-    G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
+    qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
         torch.empty(shape, dtype=torch.float32, device=q.device) for shape in _saved_shapes(B, T, H, K, V)
     )
-    intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, inverse, precision)
+    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, precision)
     initial = None if initial_state is None else initial_state.contiguous()
     final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     state_forward(Wk, kd, Uw, gamma, initial, states, U, final_state, precision)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     output(qd, P, states, U, o, scale, precision)
-    return [o, final_state, G, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
+    return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 
 
 @_forward.register_fake
@@ -124,7 +124,7 @@ def _backward(
     saved: list[torch.Tensor], d_o: torch.Tensor, d_final: torch.Tensor | None, scale: float, has_initial: bool,
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv, dg, db, dw, d_initial]`` (d_initial empty without an initial state)."""
-    G, qd, kd, gamma, Wk, Uw, P, inverse, states, U = saved
+    qd, kd, gamma, Wk, Uw, P, inverse, states, U = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
     precision = _dot_precision(q.device)
@@ -140,7 +140,7 @@ def _backward(
     del d_leaving
     dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], scale, precision)
     del d_U
-    dq, dk, dg, db = intra_backward_keys(q, k, g, b, G, *contractions, d_A, d_P, V, scale, precision)
+    dq, dk, dg, db = intra_backward_keys(q, k, g, b, *contractions, d_A, d_P, precision)
     return [dq, dk, dv, dg, db, dw, d_initial]
 
 

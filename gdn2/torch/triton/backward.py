@@ -94,7 +94,8 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
 INTRA_BACKWARD_KEY_BLOCK = 32
 INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
-INTRA_BACKWARD_KEYS_WARPS = 8
+INTRA_BACKWARD_KEYS_WARPS = 4
+INTRA_BACKWARD_KEYS_BLOCK = 32
 
 @triton.jit
 def _intra_backward_contract_kernel(
@@ -206,130 +207,172 @@ def _intra_backward_values_kernel(
 
 
 @triton.jit
+def _rows(x, key_in, first, T, HK, cols_k, k_ok, NEXT: tl.constexpr):
+    """Rows ``first .. first + 15`` of an input as float32 [16, BKB]; with ``NEXT`` each row's
+    next row inside the sub-block (zero after its last row and past T)."""
+    r = tl.arange(0, 16)
+    t = first + r + NEXT
+    ok = (t < T) & (r + NEXT < 16)
+    offsets = key_in + t[:, None] * HK + cols_k[None, :]
+    return tl.load(x + offsets, mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sub_block_decay(g, key_in, first, T, HK, cols_k, k_ok):
+    """``exp`` of the sum of a sub-block's log decays, [BKB]."""
+    return tl.exp(tl.sum(_rows(g, key_in, first, T, HK, cols_k, k_ok, 0), 0))
+
+
+@triton.jit
+def _decay_to_end(g, key_in, chunk_first, I, T, HK, cols_k, k_ok):
+    """``exp(g_{i+1} + ... + g_last)`` for the rows i of sub-block I: the span inside I times the
+    decay of each later sub-block."""
+    first = chunk_first + I * 16
+    decay = tl.exp(tl.cumsum(_rows(g, key_in, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))
+    for M in range(I + 1, 4):
+        decay = decay * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)[None, :]
+    return decay
+
+
+@triton.jit
 def _intra_backward_keys_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    G, d_qd, d_kd, d_bkd, d_gamma_in,  # saved; from the contraction launch
-    d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32 from _intra_backward_values_kernel
+    d_qd, d_kd, d_bkd, d_gamma_in,  # from the contraction launch: [B, H, N * 64, K] x3, [B, H, N, K]
+    d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
     dq, dk, dg, db,  # outputs, shapes and dtypes of the inputs
-    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+    T, H, K: tl.constexpr, N,
+    BKB: tl.constexpr, DOT: tl.constexpr,
 ):
+    """One chunk and key block, one 16-row sub-block I at a time, last first (the gradient of g
+    is a reverse cumulative sum over the chunk). For each: the row-local terms, the pairs with
+    earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
+    I's first row to i, right = exp of the span from j + 1 to the row before I), the pairs with
+    later sub-blocks, and the pairs inside I one row i at a time (``E[j] = exp(g_{j+1} + ... +
+    g_i)``, the previous row's times ``exp(g_i)``). Every exponent is a span sum, never positive."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     k0 = tl.program_id(2) * BKB
     i_b = i_bh // H
     i_h = i_bh % H
-    rows = tl.arange(0, C)
-    cols_c = tl.arange(0, C)
-    t = i_n * C + rows
-    row_ok = t < T
-    chunk_base = (i_bh * N + i_n) * C * C
-    chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
-    key_in = i_b * T * H * K + i_h * K
-    # P's diagonal (E_ii = 1) goes straight to dq and dk, not through dG.
-    d_P_diagonal = tl.load(d_P_scratch + chunk_base + rows * C + rows)
-
-    upper = (cols_c[None, :] >= rows[:, None]).to(tl.float32)
-    strictly_lower = (cols_c[None, :] < rows[:, None]).to(tl.float32)
-    # 4. Everything else, for this program's key block.
+    r = tl.arange(0, 16)
     cols_k = k0 + tl.arange(0, BKB)
     k_ok = cols_k < K
-    padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
-    key_offsets = key_in + t[:, None] * (H * K) + cols_k[None, :]
-    mask = row_ok[:, None] & k_ok[None, :]
-    G_tile = tl.load(G + padded_k, mask=k_ok[None, :], other=0.0)
-    d_q_decayed = tl.load(d_qd + padded_k, mask=k_ok[None, :], other=0.0)
-    d_k_to_end = tl.load(d_kd + padded_k, mask=k_ok[None, :], other=0.0)
-    d_bk_decayed = tl.load(d_bkd + padded_k, mask=k_ok[None, :], other=0.0)
-    d_gamma = tl.load(d_gamma_in + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-    q_tile = tl.load(q + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    k_tile = tl.load(k + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    b_tile = tl.load(b + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    bk = b_tile * k_tile
-    decay = tl.exp(G_tile)
-    G_last = tl.load(G + i_bh * N * C * K + (i_n * C + C - 1) * K + cols_k, mask=k_ok, other=0.0)
-    # Every exponent below is a span of log decays summed directly (no difference of cumulative
-    # sums: a hard reset, g = -inf or -1e6, would cost all precision or give inf - inf).
-    g_tile = tl.load(g + key_offsets, mask=mask, other=0.0).to(tl.float32)
-    next_ok = k_ok[None, :] & (t[:, None] + 1 < T) & (rows[:, None] < C - 1)
-    g_next = tl.load(g + key_offsets + H * K, mask=next_ok, other=0.0).to(tl.float32)  # g_{i+1}
-    decay_to_end = tl.exp(tl.cumsum(g_next, 0, reverse=True))  # g_{i+1} + ... + g_last
+    HK = H * K
+    key_in = i_b * T * HK + i_h * K
+    chunk_first = i_n * 64
+    chunk_base = (i_bh * N + i_n) * 64 * 64
+    padded_in = i_bh * N * 64 * K  # + padded row * K + column, in the saved buffers
+    gamma = _sub_block_decay(g, key_in, chunk_first, T, HK, cols_k, k_ok)
+    for M in range(1, 4):
+        gamma = gamma * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)
+    d_gamma_term = tl.load(d_gamma_in + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0) * gamma
+    later_d_G = tl.zeros((BKB,), dtype=tl.float32)  # sum of d_G over the rows after sub-block I
+    # The last row's k-to-end term is O(1) where the others may be tiny: a cumulative sum minus the
+    # row would leave its rounding in dg, so the rows before i are summed by an exact product.
+    strictly_lower = (r[None, :] < r[:, None]).to(tl.float32)
 
-    d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_tile
-    d_G = d_q_decayed * q_tile * decay + d_bk_decayed * bk * decay
-    d_bk = d_bk_decayed * decay
-    d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_tile
-    k_to_end_terms = d_k_to_end * k_tile * decay_to_end
+    for step in range(4):  # runtime loops throughout: unrolled, the loads stay live across sub-blocks
+        I = 3 - step
+        first = chunk_first + I * 16
+        q_I = _rows(q, key_in, first, T, HK, cols_k, k_ok, 0)
+        k_I = _rows(k, key_in, first, T, HK, cols_k, k_ok, 0)
+        b_I = _rows(b, key_in, first, T, HK, cols_k, k_ok, 0)
+        g_I = _rows(g, key_in, first, T, HK, cols_k, k_ok, 0)
+        bk_I = b_I * k_I
+        left = tl.exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
+        right = tl.exp(tl.cumsum(_rows(g, key_in, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
+        before = tl.full((BKB,), 1.0, tl.float32)  # decay of the sub-blocks before I
+        for M in range(I):
+            before = before * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)
+        after = tl.full((BKB,), 1.0, tl.float32)  # decay of the sub-blocks after I
+        for M in range(I + 1, 4):
+            after = after * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)
+        decay = left * before[None, :]  # exp(G_i)
+        decay_to_end = right * after[None, :]
 
-    d_bk_A = tl.zeros((C, BKB), dtype=tl.float32)
-    d_q_P = tl.zeros((C, BKB), dtype=tl.float32)
-    d_k_pair = tl.zeros((C, BKB), dtype=tl.float32)
-    for I in range(1, C // 16):
-        # Through the last row before sub-block I: left = exp(g_{16 I} + ... + g_i) for i in the
-        # sub-block, right = exp(g_{j+1} + ... + g_{16 I - 1}) for j before it.
-        in_block = (rows >= I * 16) & (rows < I * 16 + 16)
-        before = rows < I * 16
-        into_block = tl.cumsum(tl.where((rows >= I * 16)[:, None], g_tile, 0.0), 0)
-        up_to_block = tl.cumsum(tl.where((rows < I * 16 - 1)[:, None], g_next, 0.0), 0, reverse=True)
-        left = tl.exp(tl.where(in_block[:, None], into_block, float("-inf")))
-        right = tl.exp(tl.where(before[:, None], up_to_block, float("-inf")))
-        block = in_block[:, None] & before[None, :]
-        d_A_block = tl.load(d_A_scratch + chunk_matrix, mask=block, other=0.0)
-        d_P_block = tl.load(d_P_scratch + chunk_matrix, mask=block, other=0.0)
-        k_right = k_tile * right
-        d_bk_A += left * tl.dot(d_A_block, k_right, input_precision=DOT)
-        d_q_P += left * tl.dot(d_P_block, k_right, input_precision=DOT)
-        d_k_pair += right * (
-            tl.dot(tl.trans(d_A_block), bk * left, input_precision=DOT)
-            + tl.dot(tl.trans(d_P_block), q_tile * left, input_precision=DOT)
-        )
+        saved = padded_in + (first + r)[:, None] * K + cols_k[None, :]
+        d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
+        d_k_to_end = tl.load(d_kd + saved, mask=k_ok[None, :], other=0.0)
+        d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[None, :], other=0.0)
+        diagonal_rows = chunk_base + (I * 16 + r) * 65  # entries (i, i)
+        d_P_diagonal = tl.load(d_P_scratch + diagonal_rows)  # P's diagonal goes straight to dq, dk
 
-    # The diagonal 16x16 blocks, all spans of a sub-block at once as [16, 16, BKB] tensors:
-    # span[i, j] = g_{j+1} + ... + g_i, a cumulative sum over i of the steps after j.
-    r16 = tl.arange(0, 16)
-    later = r16[:, None, None] > r16[None, :, None]
-    in_sub_block = tl.arange(0, C // 16)[:, None, None]
-    diagonal_bk_A = tl.zeros((C // 16, 16, BKB), dtype=tl.float32)
-    diagonal_q_P = tl.zeros((C // 16, 16, BKB), dtype=tl.float32)
-    diagonal_k = tl.zeros((C // 16, 16, BKB), dtype=tl.float32)
-    for I in tl.static_range(C // 16):
-        t_I = i_n * C + I * 16 + r16
-        mask_I = (t_I < T)[:, None] & k_ok[None, :]
-        offsets_I = key_in + t_I[:, None] * (H * K) + cols_k[None, :]
-        q_I = tl.load(q + offsets_I, mask=mask_I, other=0.0).to(tl.float32)
-        k_I = tl.load(k + offsets_I, mask=mask_I, other=0.0).to(tl.float32)
-        bk_I = tl.load(b + offsets_I, mask=mask_I, other=0.0).to(tl.float32) * k_I
-        g_I = tl.load(g + offsets_I, mask=mask_I, other=0.0).to(tl.float32)
-        tile = chunk_base + (I * 16 + r16)[:, None] * C + (I * 16 + r16)[None, :]
-        strictly = r16[:, None] > r16[None, :]
-        d_A_I = tl.load(d_A_scratch + tile)  # zero on and above the diagonal
-        d_P_I = tl.where(strictly, tl.load(d_P_scratch + tile), 0.0)  # its diagonal is read apart
-        E = tl.where(later, tl.exp(tl.cumsum(tl.where(later, g_I[:, None, :], 0.0), 0)), 0.0)
-        k_E = E * k_I[None, :, :]
-        bk_A = tl.sum(d_A_I[:, :, None] * k_E, 1)
-        q_P = tl.sum(d_P_I[:, :, None] * k_E, 1)
-        k_pair = tl.sum(E * (d_A_I[:, :, None] * bk_I[:, None, :] + d_P_I[:, :, None] * q_I[:, None, :]), 0)
-        diagonal_bk_A += tl.where(in_sub_block == I, bk_A[None, :, :], 0.0)
-        diagonal_q_P += tl.where(in_sub_block == I, q_P[None, :, :], 0.0)
-        diagonal_k += tl.where(in_sub_block == I, k_pair[None, :, :], 0.0)
-    d_bk_A += tl.reshape(diagonal_bk_A, (C, BKB))
-    d_q_P += tl.reshape(diagonal_q_P, (C, BKB))
-    d_k_pair += tl.reshape(diagonal_k, (C, BKB))
+        # Pairs with earlier sub-blocks J (through the row before I).
+        from_earlier_A = tl.zeros((16, BKB), dtype=tl.float32)
+        from_earlier_P = tl.zeros((16, BKB), dtype=tl.float32)
+        between = tl.full((BKB,), 1.0, tl.float32)
+        for J_step in range(I):
+            J = I - 1 - J_step
+            k_J = _rows(k, key_in, chunk_first + J * 16, T, HK, cols_k, k_ok, 0)
+            right_J = tl.exp(tl.cumsum(_rows(g, key_in, chunk_first + J * 16, T, HK, cols_k, k_ok, 1), 0, reverse=True))
+            k_right = k_J * right_J * between[None, :]
+            tile = chunk_base + (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
+            from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
+            from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
+            between = between * _sub_block_decay(g, key_in, chunk_first + J * 16, T, HK, cols_k, k_ok)
 
-    d_q += d_q_P
-    d_bk += d_bk_A
-    d_k += d_k_pair + d_bk * b_tile
-    d_G += bk * d_bk_A + q_tile * d_q_P - k_tile * d_k_pair
-    gamma = tl.exp(G_last)
-    d_g = (
-        tl.dot(upper, d_G, input_precision="ieee")
-        + tl.dot(strictly_lower, k_to_end_terms, input_precision="ieee")
-        + (d_gamma * gamma)[None, :]
-    )
-    tl.store(dq + key_offsets, d_q.to(dq.dtype.element_ty), mask=mask)
-    tl.store(dk + key_offsets, d_k.to(dk.dtype.element_ty), mask=mask)
-    tl.store(db + key_offsets, (d_bk * k_tile).to(db.dtype.element_ty), mask=mask)
-    tl.store(dg + key_offsets, d_g.to(dg.dtype.element_ty), mask=mask)
+        # Pairs with later sub-blocks I2 (through the row before I2).
+        to_later = tl.zeros((16, BKB), dtype=tl.float32)
+        between = tl.full((BKB,), 1.0, tl.float32)
+        for I2 in range(I + 1, 4):
+            first2 = chunk_first + I2 * 16
+            left2 = tl.exp(tl.cumsum(_rows(g, key_in, first2, T, HK, cols_k, k_ok, 0), 0)) * between[None, :]
+            q2 = _rows(q, key_in, first2, T, HK, cols_k, k_ok, 0)
+            bk2 = _rows(b, key_in, first2, T, HK, cols_k, k_ok, 0) * _rows(k, key_in, first2, T, HK, cols_k, k_ok, 0)
+            tile_T = chunk_base + (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
+            to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
+            to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
+            between = between * _sub_block_decay(g, key_in, first2, T, HK, cols_k, k_ok)
+
+        # Pairs inside I, one row i at a time.
+        inside_A = tl.zeros((16, BKB), dtype=tl.float32)
+        inside_P = tl.zeros((16, BKB), dtype=tl.float32)
+        inside_k = tl.zeros((16, BKB), dtype=tl.float32)
+        E = tl.zeros((16, BKB), dtype=tl.float32)
+        for i in range(16):
+            t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
+            row = key_in + t_i * HK + cols_k
+            row_ok = k_ok & (t_i < T)
+            step_decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
+            q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
+            bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
+            E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
+            entries = chunk_base + (I * 16 + i) * 64 + I * 16 + r  # row i of the diagonal block
+            d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
+            d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
+            k_E = k_I * E
+            inside_A = tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], inside_A)
+            inside_P = tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], inside_P)
+            inside_k += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
+
+        d_bk_A = left * from_earlier_A + inside_A
+        d_q_P = left * from_earlier_P + inside_P
+        d_k_pair = right * to_later + inside_k
+        d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_I + d_q_P
+        d_bk = d_bk_decayed * decay + d_bk_A
+        d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_I + d_k_pair + d_bk * b_I
+        d_G = (d_q_decayed * q_I + d_bk_decayed * bk_I) * decay + bk_I * d_bk_A + q_I * d_q_P - k_I * d_k_pair
+
+        # d g_i = sum of d_G over rows s >= i, plus the k-to-end terms of rows s < i, plus gamma's.
+        k_to_end = d_k_to_end * k_I * decay_to_end
+        earlier_k_to_end = tl.zeros((BKB,), dtype=tl.float32)
+        for M in range(I):
+            saved_M = padded_in + (chunk_first + M * 16 + r)[:, None] * K + cols_k[None, :]
+            k_M = _rows(k, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok, 0)
+            d_kd_M = tl.load(d_kd + saved_M, mask=k_ok[None, :], other=0.0)
+            earlier_k_to_end += tl.sum(d_kd_M * k_M * _decay_to_end(g, key_in, chunk_first, M, T, HK, cols_k, k_ok), 0)
+        d_g = (tl.cumsum(d_G, 0, reverse=True) + later_d_G[None, :]
+               + tl.dot(strictly_lower, k_to_end, input_precision="ieee")  # rows s < i, summed exactly
+               + earlier_k_to_end[None, :] + d_gamma_term[None, :])
+        later_d_G += tl.sum(d_G, 0)
+
+        t = first + r
+        out = key_in + t[:, None] * HK + cols_k[None, :]
+        mask = (t < T)[:, None] & k_ok[None, :]
+        tl.store(dq + out, d_q.to(dq.dtype.element_ty), mask=mask)
+        tl.store(dk + out, d_k.to(dk.dtype.element_ty), mask=mask)
+        tl.store(db + out, (d_bk * k_I).to(db.dtype.element_ty), mask=mask)
+        tl.store(dg + out, d_g.to(dg.dtype.element_ty), mask=mask)
 
 
 def _blocks(K: int, V: int) -> tuple[int, int]:
@@ -369,14 +412,14 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     return dv, dw, d_A, d_P
 
 
-def intra_backward_keys(q, k, g, b, G, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, V: int, scale: float, dot_precision: str):
+def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, dot_precision: str):
     """Launch the key side, one program per chunk, head and key block; returns ``(dq, dk, dg, db)``."""
     B, T, H, K = q.shape
     N = d_A.shape[2]
-    BKB, BV = _blocks(K, V)
+    BKB = min(INTRA_BACKWARD_KEYS_BLOCK, max(16, triton.next_power_of_2(K)))
     dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
     _intra_backward_keys_kernel[(N, B * H, triton.cdiv(K, BKB))](
-        q, k, g, b, G, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, dq, dk, dg, db, scale, T, H, K, V, N,
-        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
+        q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, dq, dk, dg, db, T, H, K, N,
+        BKB=BKB, DOT=dot_precision, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
     )
     return dq, dk, dg, db

@@ -161,7 +161,7 @@ def _store_lower_product(out, D, out_ok, X00, X10, X11, X20, X21, X22, X30, X31,
 @triton.jit
 def _intra_forward_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
-    G_out, qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
+    qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
     gamma_out,  # [B, H, N, K] float32
     P_out, X_out,  # [B, H, N, 64, 64] float32
@@ -273,7 +273,7 @@ def _intra_forward_kernel(
     _store_tile(matrix, 3, 2, X32)
     _store_tile(matrix, 3, 3, X33)
 
-    # Decayed queries and keys, G, gamma and Wk = X (b k e^G), one key block at a time.
+    # Decayed queries and keys, gamma and Wk = X (b k e^G), one key block at a time.
     padded = i_bh * N * 64 + i_n * 64  # first padded row of the chunk
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -300,10 +300,6 @@ def _intra_forward_kernel(
         e1 = tl.exp(L1) * before1[None, :]
         e2 = tl.exp(L2) * before2[None, :]
         e3 = tl.exp(L3) * before3[None, :]
-        tl.store(G_out + rows_k, L0, mask=out_ok)
-        tl.store(G_out + rows_k + 16 * K, L1 + s0[None, :], mask=out_ok)
-        tl.store(G_out + rows_k + 32 * K, L2 + (s0 + s1)[None, :], mask=out_ok)
-        tl.store(G_out + rows_k + 48 * K, L3 + (s0 + s1 + s2)[None, :], mask=out_ok)
         dtype = qd_out.dtype.element_ty
         tl.store(qd_out + rows_k, (q0 * e0).to(dtype), mask=out_ok)
         tl.store(qd_out + rows_k + 16 * K, (q1 * e1).to(dtype), mask=out_ok)
@@ -345,9 +341,9 @@ def _intra_forward_kernel(
                              y0, y1, y2, y3, DOT)
 
 
-def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
+def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
     """Launch the in-chunk kernels (the diagonal tiles, then the rest). Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated:
-    ``G, qd, kd, Wk`` ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma``
+    ``qd, kd, Wk`` ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma``
     ``[B, H, N, K]`` and ``P, X`` ``[B, H, N, 64, 64]``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -358,7 +354,7 @@ def intra_forward(q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, dot_precisio
         q, k, g, b, P, X, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), num_warps=DIAGONAL_WARPS, num_stages=1,
     )
     _intra_forward_kernel[(N, B * H)](
-        q, k, v, g, b, w, G, qd, kd, Wk, Uw, gamma, P, X, T, H, K, V, N,
+        q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
 
