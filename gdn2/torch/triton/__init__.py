@@ -140,7 +140,7 @@ def _backward(
     del d_leaving
     dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], scale, precision)
     del d_U
-    dq, dk, dg, db = intra_backward_keys(q, k, g, b, *contractions, d_A, d_P, precision)
+    dq, dk, dg, db = intra_backward_keys(q, k, g, b, *contractions, d_A, d_P, gamma, precision)
     return [dq, dk, dv, dg, db, dw, d_initial]
 
 

@@ -207,172 +207,188 @@ def _intra_backward_values_kernel(
 
 
 @triton.jit
-def _rows(x, key_in, first, T, HK, cols_k, k_ok, NEXT: tl.constexpr):
-    """Rows ``first .. first + 15`` of an input as float32 [16, BKB]; with ``NEXT`` each row's
-    next row inside the sub-block (zero after its last row and past T)."""
+def _rows(x, first, T, HK, cols_k, k_ok, NEXT: tl.constexpr):
+    """Rows ``first .. first + 15`` of an input (``x`` at this batch element and head) as float32
+    [16, BKB]; with ``NEXT`` each row's next row inside the sub-block (zero after its last row and
+    past T). Offsets inside a sequence are 32-bit; the base pointer carries the 64-bit part."""
     r = tl.arange(0, 16)
     t = first + r + NEXT
     ok = (t < T) & (r + NEXT < 16)
-    offsets = key_in + t[:, None] * HK + cols_k[None, :]
-    return tl.load(x + offsets, mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _sub_block_decay(g, key_in, first, T, HK, cols_k, k_ok):
+def _sub_block_decay(g, first, T, HK, cols_k, k_ok):
     """``exp`` of the sum of a sub-block's log decays, [BKB]."""
-    return tl.exp(tl.sum(_rows(g, key_in, first, T, HK, cols_k, k_ok, 0), 0))
-
-
-@triton.jit
-def _decay_to_end(g, key_in, chunk_first, I, T, HK, cols_k, k_ok):
-    """``exp(g_{i+1} + ... + g_last)`` for the rows i of sub-block I: the span inside I times the
-    decay of each later sub-block."""
-    first = chunk_first + I * 16
-    decay = tl.exp(tl.cumsum(_rows(g, key_in, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))
-    for M in range(I + 1, 4):
-        decay = decay * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)[None, :]
-    return decay
+    return tl.exp(tl.sum(_rows(g, first, T, HK, cols_k, k_ok, 0), 0))
 
 
 @triton.jit
 def _intra_backward_keys_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    d_qd, d_kd, d_bkd, d_gamma_in,  # from the contraction launch: [B, H, N * 64, K] x3, [B, H, N, K]
+    d_qd, d_kd, d_bkd,  # from the contraction launch, [B, H, N * 64, K]; d_qd's rows get dg's partial sums
+    sub_block_sums,  # [B, H, N, 2, 4, K] float32, written here: per sub-block, the sums of d_G and of the k-to-end terms
     d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
-    dq, dk, dg, db,  # outputs, shapes and dtypes of the inputs
+    dq, dk, db,  # outputs, shapes and dtypes of the inputs
     T, H, K: tl.constexpr, N,
     BKB: tl.constexpr, DOT: tl.constexpr,
 ):
-    """One chunk and key block, one 16-row sub-block I at a time, last first (the gradient of g
-    is a reverse cumulative sum over the chunk). For each: the row-local terms, the pairs with
+    """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
     I's first row to i, right = exp of the span from j + 1 to the row before I), the pairs with
     later sub-blocks, and the pairs inside I one row i at a time (``E[j] = exp(g_{j+1} + ... +
-    g_i)``, the previous row's times ``exp(g_i)``). Every exponent is a span sum, never positive."""
-    i_n = tl.program_id(0)
+    g_i)``, the previous row's times ``exp(g_i)``). Every exponent is a span sum, never positive.
+    dg needs sums over the whole chunk: this launch leaves the sub-block's part in d_qd's rows and
+    its two sums in ``sub_block_sums``; ``_gate_gradient_kernel`` adds the rest."""
+    i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     k0 = tl.program_id(2) * BKB
+    i_n = i_s // 4
+    I = i_s % 4
     i_b = i_bh // H
     i_h = i_bh % H
     r = tl.arange(0, 16)
     cols_k = k0 + tl.arange(0, BKB)
     k_ok = cols_k < K
     HK = H * K
-    key_in = i_b * T * HK + i_h * K
+    sequence = i_b * T * HK + i_h * K  # 64-bit; offsets inside the sequence are 32-bit
+    q += sequence
+    k += sequence
+    g += sequence
+    b += sequence
     chunk_first = i_n * 64
+    first = chunk_first + I * 16
     chunk_base = (i_bh * N + i_n) * 64 * 64
-    padded_in = i_bh * N * 64 * K  # + padded row * K + column, in the saved buffers
-    gamma = _sub_block_decay(g, key_in, chunk_first, T, HK, cols_k, k_ok)
-    for M in range(1, 4):
-        gamma = gamma * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)
-    d_gamma_term = tl.load(d_gamma_in + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0) * gamma
-    later_d_G = tl.zeros((BKB,), dtype=tl.float32)  # sum of d_G over the rows after sub-block I
-    # The last row's k-to-end term is O(1) where the others may be tiny: a cumulative sum minus the
-    # row would leave its rounding in dg, so the rows before i are summed by an exact product.
+    d_A_scratch += chunk_base
+    d_P_scratch += chunk_base
+    saved = i_bh * N * 64 * K + (first + r)[:, None] * K + cols_k[None, :]
+
+    q_I = _rows(q, first, T, HK, cols_k, k_ok, 0)
+    k_I = _rows(k, first, T, HK, cols_k, k_ok, 0)
+    b_I = _rows(b, first, T, HK, cols_k, k_ok, 0)
+    g_I = _rows(g, first, T, HK, cols_k, k_ok, 0)
+    bk_I = b_I * k_I
+    left = tl.exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
+    right = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
+    before = tl.full((BKB,), 1.0, tl.float32)  # decay of the sub-blocks before I
+    for M in range(I):
+        before = before * _sub_block_decay(g, chunk_first + M * 16, T, HK, cols_k, k_ok)
+    d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
+    d_k_to_end = tl.load(d_kd + saved, mask=k_ok[None, :], other=0.0)
+    d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[None, :], other=0.0)
+    d_P_diagonal = tl.load(d_P_scratch + (I * 16 + r) * 65)  # P's diagonal goes straight to dq, dk
+
+    # Pairs with earlier sub-blocks J (through the row before I).
+    from_earlier_A = tl.zeros((16, BKB), dtype=tl.float32)
+    from_earlier_P = tl.zeros((16, BKB), dtype=tl.float32)
+    between = tl.full((BKB,), 1.0, tl.float32)
+    for J_step in range(I):
+        J = I - 1 - J_step
+        k_J = _rows(k, chunk_first + J * 16, T, HK, cols_k, k_ok, 0)
+        right_J = tl.exp(tl.cumsum(_rows(g, chunk_first + J * 16, T, HK, cols_k, k_ok, 1), 0, reverse=True))
+        k_right = k_J * right_J * between[None, :]
+        tile = (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
+        from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
+        from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
+        between = between * _sub_block_decay(g, chunk_first + J * 16, T, HK, cols_k, k_ok)
+
+    # Pairs with later sub-blocks I2 (through the row before I2); ``between`` ends as the decay
+    # of every sub-block after I.
+    to_later = tl.zeros((16, BKB), dtype=tl.float32)
+    between = tl.full((BKB,), 1.0, tl.float32)
+    for I2 in range(I + 1, 4):
+        first2 = chunk_first + I2 * 16
+        g2 = _rows(g, first2, T, HK, cols_k, k_ok, 0)
+        left2 = tl.exp(tl.cumsum(g2, 0)) * between[None, :]
+        q2 = _rows(q, first2, T, HK, cols_k, k_ok, 0)
+        bk2 = _rows(b, first2, T, HK, cols_k, k_ok, 0) * _rows(k, first2, T, HK, cols_k, k_ok, 0)
+        tile_T = (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
+        to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
+        to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
+        between = between * tl.exp(tl.sum(g2, 0))
+    decay = left * before[None, :]  # exp(G_i)
+    decay_to_end = right * between[None, :]  # exp(g_{i+1} + ... + g_last)
+
+    # Pairs inside I, one row i at a time.
+    inside_A = tl.zeros((16, BKB), dtype=tl.float32)
+    inside_P = tl.zeros((16, BKB), dtype=tl.float32)
+    inside_k = tl.zeros((16, BKB), dtype=tl.float32)
+    E = tl.zeros((16, BKB), dtype=tl.float32)
+    for i in range(16):
+        t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
+        row = t_i * HK + cols_k
+        row_ok = k_ok & (t_i < T)
+        step_decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
+        q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
+        bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
+        E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
+        entries = (I * 16 + i) * 64 + I * 16 + r  # row i of the diagonal block
+        d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
+        d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
+        k_E = k_I * E
+        inside_A = tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], inside_A)
+        inside_P = tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], inside_P)
+        inside_k += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
+
+    d_bk_A = left * from_earlier_A + inside_A
+    d_q_P = left * from_earlier_P + inside_P
+    d_k_pair = right * to_later + inside_k
+    d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_I + d_q_P
+    d_bk = d_bk_decayed * decay + d_bk_A
+    d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_I + d_k_pair + d_bk * b_I
+    d_G = (d_q_decayed * q_I + d_bk_decayed * bk_I) * decay + bk_I * d_bk_A + q_I * d_q_P - k_I * d_k_pair
+
+    # dg_i = (sum of d_G over rows s >= i) + (k-to-end terms of rows s < i) + gamma's term. Inside
+    # the sub-block here; the last row's k-to-end term is O(1) where the others may be tiny, so the
+    # rows before i are summed by an exact product (a cumulative sum minus the row would leave its
+    # rounding in dg).
+    k_to_end = d_k_to_end * k_I * decay_to_end
     strictly_lower = (r[None, :] < r[:, None]).to(tl.float32)
+    partial = tl.cumsum(d_G, 0, reverse=True) + tl.dot(strictly_lower, k_to_end, input_precision="ieee")
+    tl.store(d_qd + saved, partial, mask=k_ok[None, :])  # this program's own rows, read above
+    sums = sub_block_sums + ((i_bh * N + i_n) * 8 + I) * K + cols_k
+    tl.store(sums, tl.sum(d_G, 0), mask=k_ok)
+    tl.store(sums + 4 * K, tl.sum(k_to_end, 0), mask=k_ok)
 
-    for step in range(4):  # runtime loops throughout: unrolled, the loads stay live across sub-blocks
+    t = first + r
+    out = t[:, None] * HK + cols_k[None, :]
+    mask = (t < T)[:, None] & k_ok[None, :]
+    tl.store(dq + sequence + out, d_q.to(dq.dtype.element_ty), mask=mask)
+    tl.store(dk + sequence + out, d_k.to(dk.dtype.element_ty), mask=mask)
+    tl.store(db + sequence + out, (d_bk * k_I).to(db.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_gradient_kernel(
+    partial, sub_block_sums, gamma, d_gamma,  # [B, H, N * 64, K], [B, H, N, 2, 4, K], [B, H, N, K] x2
+    dg,  # output [B, T, H, K]
+    T, H, K: tl.constexpr, N, BKB: tl.constexpr,
+):
+    """dg of one chunk and key block: each sub-block's partial sums plus the d_G sums of the
+    sub-blocks after it, the k-to-end sums of those before it, and gamma's term."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    cols_k = tl.program_id(2) * BKB + tl.arange(0, BKB)
+    k_ok = cols_k < K
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, 16)
+    chunk = i_bh * N + i_n
+    sums = sub_block_sums + chunk * 8 * K + cols_k
+    gamma_term = tl.load(gamma + chunk * K + cols_k, mask=k_ok, other=0.0) * tl.load(
+        d_gamma + chunk * K + cols_k, mask=k_ok, other=0.0)
+    after = tl.zeros((BKB,), dtype=tl.float32)
+    for step in range(4):
         I = 3 - step
-        first = chunk_first + I * 16
-        q_I = _rows(q, key_in, first, T, HK, cols_k, k_ok, 0)
-        k_I = _rows(k, key_in, first, T, HK, cols_k, k_ok, 0)
-        b_I = _rows(b, key_in, first, T, HK, cols_k, k_ok, 0)
-        g_I = _rows(g, key_in, first, T, HK, cols_k, k_ok, 0)
-        bk_I = b_I * k_I
-        left = tl.exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
-        right = tl.exp(tl.cumsum(_rows(g, key_in, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
-        before = tl.full((BKB,), 1.0, tl.float32)  # decay of the sub-blocks before I
+        before = tl.zeros((BKB,), dtype=tl.float32)
         for M in range(I):
-            before = before * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)
-        after = tl.full((BKB,), 1.0, tl.float32)  # decay of the sub-blocks after I
-        for M in range(I + 1, 4):
-            after = after * _sub_block_decay(g, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok)
-        decay = left * before[None, :]  # exp(G_i)
-        decay_to_end = right * after[None, :]
-
-        saved = padded_in + (first + r)[:, None] * K + cols_k[None, :]
-        d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
-        d_k_to_end = tl.load(d_kd + saved, mask=k_ok[None, :], other=0.0)
-        d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[None, :], other=0.0)
-        diagonal_rows = chunk_base + (I * 16 + r) * 65  # entries (i, i)
-        d_P_diagonal = tl.load(d_P_scratch + diagonal_rows)  # P's diagonal goes straight to dq, dk
-
-        # Pairs with earlier sub-blocks J (through the row before I).
-        from_earlier_A = tl.zeros((16, BKB), dtype=tl.float32)
-        from_earlier_P = tl.zeros((16, BKB), dtype=tl.float32)
-        between = tl.full((BKB,), 1.0, tl.float32)
-        for J_step in range(I):
-            J = I - 1 - J_step
-            k_J = _rows(k, key_in, chunk_first + J * 16, T, HK, cols_k, k_ok, 0)
-            right_J = tl.exp(tl.cumsum(_rows(g, key_in, chunk_first + J * 16, T, HK, cols_k, k_ok, 1), 0, reverse=True))
-            k_right = k_J * right_J * between[None, :]
-            tile = chunk_base + (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
-            from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
-            from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
-            between = between * _sub_block_decay(g, key_in, chunk_first + J * 16, T, HK, cols_k, k_ok)
-
-        # Pairs with later sub-blocks I2 (through the row before I2).
-        to_later = tl.zeros((16, BKB), dtype=tl.float32)
-        between = tl.full((BKB,), 1.0, tl.float32)
-        for I2 in range(I + 1, 4):
-            first2 = chunk_first + I2 * 16
-            left2 = tl.exp(tl.cumsum(_rows(g, key_in, first2, T, HK, cols_k, k_ok, 0), 0)) * between[None, :]
-            q2 = _rows(q, key_in, first2, T, HK, cols_k, k_ok, 0)
-            bk2 = _rows(b, key_in, first2, T, HK, cols_k, k_ok, 0) * _rows(k, key_in, first2, T, HK, cols_k, k_ok, 0)
-            tile_T = chunk_base + (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
-            to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
-            to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
-            between = between * _sub_block_decay(g, key_in, first2, T, HK, cols_k, k_ok)
-
-        # Pairs inside I, one row i at a time.
-        inside_A = tl.zeros((16, BKB), dtype=tl.float32)
-        inside_P = tl.zeros((16, BKB), dtype=tl.float32)
-        inside_k = tl.zeros((16, BKB), dtype=tl.float32)
-        E = tl.zeros((16, BKB), dtype=tl.float32)
-        for i in range(16):
-            t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
-            row = key_in + t_i * HK + cols_k
-            row_ok = k_ok & (t_i < T)
-            step_decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
-            q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
-            bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
-            E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
-            entries = chunk_base + (I * 16 + i) * 64 + I * 16 + r  # row i of the diagonal block
-            d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
-            d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
-            k_E = k_I * E
-            inside_A = tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], inside_A)
-            inside_P = tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], inside_P)
-            inside_k += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
-
-        d_bk_A = left * from_earlier_A + inside_A
-        d_q_P = left * from_earlier_P + inside_P
-        d_k_pair = right * to_later + inside_k
-        d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_I + d_q_P
-        d_bk = d_bk_decayed * decay + d_bk_A
-        d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_I + d_k_pair + d_bk * b_I
-        d_G = (d_q_decayed * q_I + d_bk_decayed * bk_I) * decay + bk_I * d_bk_A + q_I * d_q_P - k_I * d_k_pair
-
-        # d g_i = sum of d_G over rows s >= i, plus the k-to-end terms of rows s < i, plus gamma's.
-        k_to_end = d_k_to_end * k_I * decay_to_end
-        earlier_k_to_end = tl.zeros((BKB,), dtype=tl.float32)
-        for M in range(I):
-            saved_M = padded_in + (chunk_first + M * 16 + r)[:, None] * K + cols_k[None, :]
-            k_M = _rows(k, key_in, chunk_first + M * 16, T, HK, cols_k, k_ok, 0)
-            d_kd_M = tl.load(d_kd + saved_M, mask=k_ok[None, :], other=0.0)
-            earlier_k_to_end += tl.sum(d_kd_M * k_M * _decay_to_end(g, key_in, chunk_first, M, T, HK, cols_k, k_ok), 0)
-        d_g = (tl.cumsum(d_G, 0, reverse=True) + later_d_G[None, :]
-               + tl.dot(strictly_lower, k_to_end, input_precision="ieee")  # rows s < i, summed exactly
-               + earlier_k_to_end[None, :] + d_gamma_term[None, :])
-        later_d_G += tl.sum(d_G, 0)
-
-        t = first + r
-        out = key_in + t[:, None] * HK + cols_k[None, :]
-        mask = (t < T)[:, None] & k_ok[None, :]
-        tl.store(dq + out, d_q.to(dq.dtype.element_ty), mask=mask)
-        tl.store(dk + out, d_k.to(dk.dtype.element_ty), mask=mask)
-        tl.store(db + out, (d_bk * k_I).to(db.dtype.element_ty), mask=mask)
-        tl.store(dg + out, d_g.to(dg.dtype.element_ty), mask=mask)
+            before += tl.load(sums + (4 + M) * K, mask=k_ok, other=0.0)
+        rows = i_n * 64 + I * 16 + r
+        part = tl.load(partial + i_bh * N * 64 * K + rows[:, None] * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
+        value = part + (after + before + gamma_term)[None, :]
+        out = i_b * T * H * K + rows[:, None] * (H * K) + i_h * K + cols_k[None, :]
+        tl.store(dg + out, value.to(dg.dtype.element_ty), mask=(rows < T)[:, None] & k_ok[None, :])
+        after += tl.load(sums + I * K, mask=k_ok, other=0.0)
 
 
 def _blocks(K: int, V: int) -> tuple[int, int]:
@@ -412,14 +428,19 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     return dv, dw, d_A, d_P
 
 
-def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, dot_precision: str):
-    """Launch the key side, one program per chunk, head and key block; returns ``(dq, dk, dg, db)``."""
+def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma, dot_precision: str):
+    """Launch the key side (one program per 16-row sub-block, head and key block), then dg's
+    chunk sums; returns ``(dq, dk, dg, db)``. ``d_qd`` is overwritten."""
     B, T, H, K = q.shape
     N = d_A.shape[2]
     BKB = min(INTRA_BACKWARD_KEYS_BLOCK, max(16, triton.next_power_of_2(K)))
     dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
-    _intra_backward_keys_kernel[(N, B * H, triton.cdiv(K, BKB))](
-        q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, dq, dk, dg, db, T, H, K, N,
+    sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
+    _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
+        q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, T, H, K, N,
         BKB=BKB, DOT=dot_precision, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
+    )
+    _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
+        d_qd, sub_block_sums, gamma, d_gamma, dg, T, H, K, N, BKB=BKB, num_warps=4, num_stages=1,
     )
     return dq, dk, dg, db
