@@ -91,11 +91,15 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
     out = {}
     fk = forward
     out["intra_forward"] = (
-        fk._intra_forward_kernel,
-        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, qd_out=f32, kd_out=f32, Wk_out=f32,
-             Uw_out=f32, gamma_out=f32, P_out=f32, X_out=f32),
-        {}, dict(K=K, V=V, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), BV=min(32, max(16, triton.next_power_of_2(V))), DOT=dot),
-        fk.INTRA_FORWARD_WARPS,
+        fk._intra_forward_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32), {},
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot), fk.INTRA_FORWARD_WARPS,
+    )
+    out["wy"] = (
+        fk._wy_kernel,
+        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=f32, kd_out=f32, Wk_out=f32, Uw_out=f32,
+             gamma_out=f32),
+        {}, dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot),
+        fk.WY_WARPS,
     )
     out["diagonal"] = (
         fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32), {}, dict(K=K, BK=bk),

@@ -51,10 +51,11 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(INTRA_BACKWARD_KEYS_WARPS=8),
-    dict(INTRA_BACKWARD_KEYS_BLOCK=64, INTRA_BACKWARD_KEYS_WARPS=8),
-    dict(INTRA_BACKWARD_KEYS_BLOCK=16, INTRA_BACKWARD_KEYS_WARPS=2),
-    dict(INTRA_FORWARD_WARPS=8),
+    dict(WY_WARPS=8),
+    dict(WY_BLOCK=32, WY_WARPS=8),
+    dict(INTRA_FORWARD_KEY_BLOCK=16),
+    dict(INTRA_FORWARD_KEY_BLOCK=16, INTRA_FORWARD_WARPS=2),
+    dict(DIAGONAL_WARPS=2),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -1,12 +1,14 @@
 """Triton forward kernels of the chunked GDN-2 form (see ``gdn2/algorithm.py`` for the mathematics).
 
-Three launches:
+Five launches:
 
-* ``intra_forward`` (one program per chunk and head, parallel): the erase interactions ``A`` and
-  query-key interactions ``P`` as 16x16 register tiles, the inverse ``X = (I + A)^{-1}``, the WY
-  products ``Wk = X (b * k * exp(G))`` and ``Uw = X (w * v)``, and the decayed keys and queries
-  the other two launches use: ``qd = q * exp(G)``, ``kd = k * exp(G_last - G)``,
-  ``gamma = exp(G_last)``.
+* ``_diagonal_kernel`` (one program per 16-row sub-block and head, parallel): the diagonal 16x16
+  tiles of the erase interactions ``A`` and the query-key interactions ``P``;
+* ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
+  and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``;
+* ``_wy_kernel`` (one program per chunk and head, parallel): the decayed queries and keys the
+  sequential pass and the output use, ``qd = q * exp(G)``, ``kd = k * exp(G_last - G)``,
+  ``gamma = exp(G_last)``, and the WY products ``Wk = X (b * k * exp(G))`` and ``Uw = X (w * v)``;
 * ``state_forward`` (one program per head and block of value columns, sequential over chunks):
   carries the state ``S``; writes the state entering each chunk and the new values
   ``U = Uw - Wk S``; ``S <- gamma * S + kd^T U``.
@@ -44,6 +46,8 @@ CHUNK = 64
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 4
 DIAGONAL_WARPS = 4
+WY_WARPS = 4
+WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 32
 STATE_WARPS = 4
 OUTPUT_WARPS = 4
@@ -142,31 +146,11 @@ def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
-def _store_lower_product(out, D, out_ok, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, y0, y1, y2, y3,
-                         DOT: tl.constexpr):
-    """Store ``X @ [y0; y1; y2; y3]`` for the block lower-triangular X (16-row tiles), one row block
-    at a time, at ``out`` (row stride D)."""
-    dtype = out.dtype.element_ty
-    tl.store(out, tl.dot(X00, y0, input_precision=DOT).to(dtype), mask=out_ok)
-    rows1 = tl.dot(X10, y0, input_precision=DOT) + tl.dot(X11, y1, input_precision=DOT)
-    tl.store(out + 16 * D, rows1.to(dtype), mask=out_ok)
-    rows2 = tl.dot(X20, y0, input_precision=DOT) + tl.dot(X21, y1, input_precision=DOT)
-    rows2 += tl.dot(X22, y2, input_precision=DOT)
-    tl.store(out + 32 * D, rows2.to(dtype), mask=out_ok)
-    rows3 = tl.dot(X30, y0, input_precision=DOT) + tl.dot(X31, y1, input_precision=DOT)
-    rows3 += tl.dot(X32, y2, input_precision=DOT) + tl.dot(X33, y3, input_precision=DOT)
-    tl.store(out + 48 * D, rows3.to(dtype), mask=out_ok)
-
-
-@triton.jit
 def _intra_forward_kernel(
-    q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
-    qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
-    Uw_out,  # [B, H, N * 64, V]
-    gamma_out,  # [B, H, N, K] float32
+    q, k, g, b,  # inputs [B, T, H, K]
     P_out, X_out,  # [B, H, N, 64, 64] float32
-    T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+    T, H, K: tl.constexpr, N,
+    BK: tl.constexpr, DOT: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -227,8 +211,8 @@ def _intra_forward_kernel(
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
 
     # X = (I + A)^{-1}: diagonal tiles by forward substitution (A's diagonal tiles are where
-    # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written), the others by the blocked
-    # formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32 products).
+    # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written),
+    # the others by the blocked formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32).
     matrix = X_out + (i_bh * N + i_n) * 64 * 64
     X00 = _inverse_unit_lower_16(_load_tile(matrix, 0, 0))
     X11 = _inverse_unit_lower_16(_load_tile(matrix, 1, 1))
@@ -273,89 +257,94 @@ def _intra_forward_kernel(
     _store_tile(matrix, 3, 2, X32)
     _store_tile(matrix, 3, 3, X33)
 
-    # Decayed queries and keys, gamma and Wk = X (b k e^G), one key block at a time.
-    padded = i_bh * N * 64 + i_n * 64  # first padded row of the chunk
+
+@triton.jit
+def _wy_kernel(
+    q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
+    X,  # [B, H, N, 64, 64] float32, from _intra_forward_kernel
+    qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
+    Uw_out,  # [B, H, N * 64, V]
+    gamma_out,  # [B, H, N, K] float32
+    T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+):
+    """One chunk's decayed queries and keys, gamma, and the WY products ``Wk = X (b k exp(G))``
+    and ``Uw = X (w v)`` as whole-chunk [64, 64] x [64, block] products. ``G`` (the log decay
+    from the chunk's start) and the decay to the chunk's end are cumulative sums of g over
+    their own spans."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, 64)
+    t = i_n * 64 + rows
+    row_ok = t < T
+    next_ok = (t + 1 < T) & (rows < 63)
+    X_tile = tl.load(X + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+    # 64-bit bases, 32-bit offsets inside a sequence and a chunk
+    sequence = i_b * T * H * K + i_h * K
+    q += sequence
+    k += sequence
+    g += sequence
+    b += sequence
+    chunk_rows = (i_bh * N + i_n) * 64
+    qd_out += chunk_rows * K
+    kd_out += chunk_rows * K
+    Wk_out += chunk_rows * K
+    Uw_out += chunk_rows * V
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        rows_k = (padded + r[:, None]) * K + cols[None, :]
-        out_ok = (r[:, None] >= 0) & col_ok[None, :]
-        q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
-        q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
-        q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
-        q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
-        d1 = tl.exp(s1)
-        d2 = tl.exp(s2)
-        d3 = tl.exp(s3)
-        before1 = tl.exp(s0)
-        before2 = before1 * d1
-        before3 = before2 * d2
-        after2 = d3
-        after1 = d2 * d3
-        after0 = d1 * after1
-        gamma = before3 * d3
-        tl.store(gamma_out + (i_bh * N + i_n) * K + cols, gamma, mask=col_ok)
-
-        e0 = tl.exp(L0)
-        e1 = tl.exp(L1) * before1[None, :]
-        e2 = tl.exp(L2) * before2[None, :]
-        e3 = tl.exp(L3) * before3[None, :]
+        offsets = t[:, None] * (H * K) + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        g_tile = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
+        g_next = tl.load(g + offsets + H * K, mask=next_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        decay = tl.exp(tl.cumsum(g_tile, 0))  # exp(g_0 + ... + g_i)
+        to_end = tl.exp(tl.cumsum(g_next, 0, reverse=True))  # exp(g_{i+1} + ... + g_63)
+        tl.store(gamma_out + (i_bh * N + i_n) * K + cols, tl.exp(tl.sum(g_tile, 0)), mask=col_ok)
+        q_tile = tl.load(q + offsets, mask=mask, other=0.0).to(tl.float32)
+        k_tile = tl.load(k + offsets, mask=mask, other=0.0).to(tl.float32)
+        b_tile = tl.load(b + offsets, mask=mask, other=0.0).to(tl.float32)
+        out = rows[:, None] * K + cols[None, :]
+        out_ok = (rows >= 0)[:, None] & col_ok[None, :]
         dtype = qd_out.dtype.element_ty
-        tl.store(qd_out + rows_k, (q0 * e0).to(dtype), mask=out_ok)
-        tl.store(qd_out + rows_k + 16 * K, (q1 * e1).to(dtype), mask=out_ok)
-        tl.store(qd_out + rows_k + 32 * K, (q2 * e2).to(dtype), mask=out_ok)
-        tl.store(qd_out + rows_k + 48 * K, (q3 * e3).to(dtype), mask=out_ok)
-        tl.store(kd_out + rows_k, (k0_ * tl.exp(R0) * after0[None, :]).to(dtype), mask=out_ok)
-        tl.store(kd_out + rows_k + 16 * K, (k1 * tl.exp(R1) * after1[None, :]).to(dtype), mask=out_ok)
-        tl.store(kd_out + rows_k + 32 * K, (k2 * tl.exp(R2) * after2[None, :]).to(dtype), mask=out_ok)
-        tl.store(kd_out + rows_k + 48 * K, (k3 * tl.exp(R3)).to(dtype), mask=out_ok)
-
-        y0 = bk0 * e0
-        y1 = bk1 * e1
-        y2 = bk2 * e2
-        y3 = bk3 * e3
-        _store_lower_product(Wk_out + rows_k, K, out_ok, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
-                             y0, y1, y2, y3, DOT)
-
-    # Uw = X (w v), one value block at a time.
-    value_base = i_b * T * H * V + i_h * V
+        tl.store(qd_out + out, (q_tile * decay).to(dtype), mask=out_ok)
+        tl.store(kd_out + out, (k_tile * to_end).to(dtype), mask=out_ok)
+        Wk = tl.dot(X_tile, b_tile * k_tile * decay, input_precision=DOT)
+        tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
+    sequence = i_b * T * H * V + i_h * V
+    v += sequence
+    w += sequence
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         col_ok = cols < V
-        out_ok = (r[:, None] >= 0) & col_ok[None, :]
-        rows_v = (padded + r[:, None]) * V + cols[None, :]
-        t = t0 + r
-        ok = (t < T)[:, None] & col_ok[None, :]
-        offsets = value_base + t[:, None] * (H * V) + cols[None, :]
-        y0 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
-        ok = (t + 16 < T)[:, None] & col_ok[None, :]
-        offsets += 16 * H * V
-        y1 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
-        ok = (t + 32 < T)[:, None] & col_ok[None, :]
-        offsets += 16 * H * V
-        y2 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
-        ok = (t + 48 < T)[:, None] & col_ok[None, :]
-        offsets += 16 * H * V
-        y3 = tl.load(w + offsets, mask=ok, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=ok, other=0.0).to(tl.float32)
-        _store_lower_product(Uw_out + rows_v, V, out_ok, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
-                             y0, y1, y2, y3, DOT)
+        offsets = t[:, None] * (H * V) + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        wv = tl.load(w + offsets, mask=mask, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=mask, other=0.0).to(tl.float32)
+        Uw = tl.dot(X_tile, wv, input_precision=DOT)
+        out = rows[:, None] * V + cols[None, :]
+        tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
 
 
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
-    """Launch the in-chunk kernels (the diagonal tiles, then the rest). Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated:
-    ``qd, kd, Wk`` ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma``
-    ``[B, H, N, K]`` and ``P, X`` ``[B, H, N, 64, 64]``."""
+    """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X, then the decays and
+    WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
+    ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]`` and ``P, X``
+    ``[B, H, N, 64, 64]``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = P.shape[2]
-    BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, X, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), num_warps=DIAGONAL_WARPS, num_stages=1,
     )
+    BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _intra_forward_kernel[(N, B * H)](
-        q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, T, H, K, V, N,
-        BK=BK, BV=BV, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        q, k, g, b, P, X, T, H, K, N, BK=BK, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+    )
+    _wy_kernel[(N, B * H)](
+        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, T, H, K, V, N,
+        BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
+        DOT=dot_precision, num_warps=WY_WARPS, num_stages=1,
     )
 
 
