@@ -263,21 +263,8 @@ def _intra_backward_keys_kernel(
     d_P_scratch += chunk_base
     saved = i_bh * N * 64 * K + (first + r)[:, None] * K + cols_k[None, :]
 
-    q_I = _rows(q, first, T, HK, cols_k, k_ok, 0)
-    k_I = _rows(k, first, T, HK, cols_k, k_ok, 0)
-    b_I = _rows(b, first, T, HK, cols_k, k_ok, 0)
-    g_I = _rows(g, first, T, HK, cols_k, k_ok, 0)
-    bk_I = b_I * k_I
-    left = tl.exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
-    right = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
-    before = tl.full((BKB,), 1.0, tl.float32)  # decay of the sub-blocks before I
-    for M in range(I):
-        before = before * _sub_block_decay(g, chunk_first + M * 16, T, HK, cols_k, k_ok)
-    d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
-    d_k_to_end = tl.load(d_kd + saved, mask=k_ok[None, :], other=0.0)
-    d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[None, :], other=0.0)
-    d_P_diagonal = tl.load(d_P_scratch + (I * 16 + r) * 65)  # P's diagonal goes straight to dq, dk
-
+    # Live tiles are few on purpose (registers decide the occupancy): each accumulator starts
+    # from its off-diagonal part and the row loop adds to it; the row-local inputs are read after.
     # Pairs with earlier sub-blocks J (through the row before I).
     from_earlier_A = tl.zeros((16, BKB), dtype=tl.float32)
     from_earlier_P = tl.zeros((16, BKB), dtype=tl.float32)
@@ -291,6 +278,10 @@ def _intra_backward_keys_kernel(
         from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
         from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
         between = between * _sub_block_decay(g, chunk_first + J * 16, T, HK, cols_k, k_ok)
+    before = between  # the decay of every sub-block before I
+    left = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 0), 0))  # g_{16 I} + ... + g_i
+    d_bk_A = left * from_earlier_A
+    d_q_P = left * from_earlier_P
 
     # Pairs with later sub-blocks I2 (through the row before I2); ``between`` ends as the decay
     # of every sub-block after I.
@@ -306,13 +297,12 @@ def _intra_backward_keys_kernel(
         to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
         to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
         between = between * tl.exp(tl.sum(g2, 0))
-    decay = left * before[None, :]  # exp(G_i)
-    decay_to_end = right * between[None, :]  # exp(g_{i+1} + ... + g_last)
+    after = between
+    right = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
+    d_k_pair = right * to_later
 
     # Pairs inside I, one row i at a time.
-    inside_A = tl.zeros((16, BKB), dtype=tl.float32)
-    inside_P = tl.zeros((16, BKB), dtype=tl.float32)
-    inside_k = tl.zeros((16, BKB), dtype=tl.float32)
+    k_I = _rows(k, first, T, HK, cols_k, k_ok, 0)
     E = tl.zeros((16, BKB), dtype=tl.float32)
     for i in range(16):
         t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
@@ -326,13 +316,19 @@ def _intra_backward_keys_kernel(
         d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
         d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
         k_E = k_I * E
-        inside_A = tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], inside_A)
-        inside_P = tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], inside_P)
-        inside_k += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
+        d_bk_A += tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], 0.0)
+        d_q_P += tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], 0.0)
+        d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
 
-    d_bk_A = left * from_earlier_A + inside_A
-    d_q_P = left * from_earlier_P + inside_P
-    d_k_pair = right * to_later + inside_k
+    q_I = _rows(q, first, T, HK, cols_k, k_ok, 0)
+    b_I = _rows(b, first, T, HK, cols_k, k_ok, 0)
+    bk_I = b_I * k_I
+    decay = left * before[None, :]  # exp(G_i)
+    decay_to_end = right * after[None, :]  # exp(g_{i+1} + ... + g_last)
+    d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
+    d_k_to_end = tl.load(d_kd + saved, mask=k_ok[None, :], other=0.0)
+    d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[None, :], other=0.0)
+    d_P_diagonal = tl.load(d_P_scratch + (I * 16 + r) * 65)  # P's diagonal goes straight to dq, dk
     d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_I + d_q_P
     d_bk = d_bk_decayed * decay + d_bk_A
     d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_I + d_k_pair + d_bk * b_I

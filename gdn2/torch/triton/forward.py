@@ -44,11 +44,11 @@ import triton.language as tl
 CHUNK = 64
 
 # Launch settings (bench/RESULTS.md has the measurements they come from).
-INTRA_FORWARD_WARPS = 4
-DIAGONAL_WARPS = 4
+INTRA_FORWARD_WARPS = 2
+DIAGONAL_WARPS = 2
 WY_WARPS = 4
 WY_BLOCK = 64
-INTRA_FORWARD_KEY_BLOCK = 32
+INTRA_FORWARD_KEY_BLOCK = 16
 STATE_WARPS = 4
 OUTPUT_WARPS = 4
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
