@@ -51,11 +51,11 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(WY_WARPS=8),
-    dict(WY_BLOCK=32, WY_WARPS=8),
-    dict(INTRA_FORWARD_KEY_BLOCK=16),
-    dict(INTRA_FORWARD_KEY_BLOCK=16, INTRA_FORWARD_WARPS=2),
-    dict(DIAGONAL_WARPS=2),
+    dict(INTRA_BACKWARD_KEYS_WARPS=2),
+    dict(INTRA_BACKWARD_KEYS_WARPS=8),
+    dict(STATE_MIN_PROGRAMS=512, STATE_WARPS=8),
+    dict(STATE_MIN_PROGRAMS=512),
+    dict(WY_BLOCK=32),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
