@@ -117,6 +117,25 @@ def test_kernel_output_types_and_no_final_state(seed, interpreter):
     assert torch.isfinite(o.float()).all() and o.float().abs().max() > 0
 
 
+@kernel_only
+def test_kernel_non_contiguous_inputs(seed, interpreter):
+    """Inputs that are views with other strides (as a layer's transposes and slices give) have the
+    same output and gradients as contiguous ones: the backward reads them as contiguous."""
+    case = make_case(2, 70, 2, 16, 24, seed, reference=False)
+    inputs, state = _inputs(case, torch.float32)
+
+    def gradients(tensors):
+        leaves = [x.detach().requires_grad_(True) for x in tensors]
+        o, _ = chunk_gdn2(*leaves, path="kernel")
+        o.backward(torch.ones_like(o) + o.detach())
+        return [o.detach()] + [x.grad for x in leaves]
+
+    strided = [x.detach().transpose(0, 1).contiguous().transpose(0, 1) for x in inputs]
+    assert not any(x.is_contiguous() for x in strided)
+    for got, want in zip(gradients(strided), gradients(inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_unsupported_chunk_size_is_a_reason(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.zeros(1, 3, 1, 8)

@@ -125,6 +125,9 @@ def _backward(
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv, dg, db, dw, d_initial]`` (d_initial empty without an initial state)."""
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = saved
+    # The kernels index inputs and gradients as contiguous [B, T, H, D]; autograd hands back the
+    # inputs as they were given (a transposed or sliced view is not contiguous).
+    q, k, v, g, b, w = (x.contiguous() for x in (q, k, v, g, b, w))
     B, T, H, K = q.shape
     V = v.shape[-1]
     precision = _dot_precision(q.device)
@@ -149,7 +152,7 @@ def _backward_shapes(q, k, v, g, b, w, saved, d_o, d_final, scale, has_initial):
     B, T, H, K = q.shape
     V = v.shape[-1]
     d_initial = q.new_empty(B, H, K, V, dtype=torch.float32) if has_initial else q.new_empty(0)
-    return [torch.empty_like(x) for x in (q, k, v, g, b, w)] + [d_initial]
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, b, w)] + [d_initial]
 
 
 def _setup_context(ctx, inputs, output):

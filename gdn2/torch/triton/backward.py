@@ -415,7 +415,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     B, T, H, V = v.shape
     N, K = inverse.shape[2], Wk.shape[-1]
     BKB, BV = _blocks(K, V)
-    dv, dw = torch.empty_like(v), torch.empty_like(w)
+    dv, dw = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (v, w))  # contiguous
     d_A, d_P = inverse.new_empty(inverse.shape), inverse.new_empty(inverse.shape)
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, scale, T, H, K, V, N,
@@ -430,7 +430,7 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     B, T, H, K = q.shape
     N = d_A.shape[2]
     BKB = min(INTRA_BACKWARD_KEYS_BLOCK, max(16, triton.next_power_of_2(K)))
-    dq, dk, dg, db = (torch.empty_like(x) for x in (q, k, g, b))
+    dq, dk, dg, db = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, g, b))  # contiguous
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, T, H, K, N,
