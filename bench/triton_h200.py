@@ -51,9 +51,11 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(INTRA_BACKWARD_KEYS_BLOCK=64, INTRA_BACKWARD_KEYS_WARPS=8),
-    dict(INTRA_BACKWARD_KEYS_BLOCK=16, INTRA_BACKWARD_KEYS_WARPS=2),
     dict(INTRA_BACKWARD_KEYS_WARPS=2),
+    dict(INTRA_BACKWARD_KEYS_WARPS=8),
+    dict(STATE_MIN_PROGRAMS=512, STATE_WARPS=8),
+    dict(STATE_MIN_PROGRAMS=512),
+    dict(WY_BLOCK=32),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

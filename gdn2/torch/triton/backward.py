@@ -207,21 +207,20 @@ def _intra_backward_values_kernel(
 
 
 @triton.jit
-def _columns(x, first, T, HK, cols_k, k_ok, NEXT: tl.constexpr):
-    """Rows ``first .. first + 15`` of an input (``x`` at this batch element and head),
-    transposed: float32 [BKB, 16], key columns down, the sub-block's rows across (so that sums
-    over rows stay inside a warp). With ``NEXT`` each row's next row inside the sub-block (zero
-    after its last row and past T). Offsets inside a sequence are 32-bit."""
+def _rows(x, first, T, HK, cols_k, k_ok, NEXT: tl.constexpr):
+    """Rows ``first .. first + 15`` of an input (``x`` at this batch element and head) as float32
+    [16, BKB]; with ``NEXT`` each row's next row inside the sub-block (zero after its last row and
+    past T). Offsets inside a sequence are 32-bit; the base pointer carries the 64-bit part."""
     r = tl.arange(0, 16)
     t = first + r + NEXT
     ok = (t < T) & (r + NEXT < 16)
-    return tl.load(x + t[None, :] * HK + cols_k[:, None], mask=k_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+    return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _sub_block_decay(g, first, T, HK, cols_k, k_ok):
     """``exp`` of the sum of a sub-block's log decays, [BKB]."""
-    return tl.exp(tl.sum(_columns(g, first, T, HK, cols_k, k_ok, 0), 1))
+    return tl.exp(tl.sum(_rows(g, first, T, HK, cols_k, k_ok, 0), 0))
 
 
 @triton.jit
@@ -239,7 +238,6 @@ def _intra_backward_keys_kernel(
     I's first row to i, right = exp of the span from j + 1 to the row before I), the pairs with
     later sub-blocks, and the pairs inside I one row i at a time (``E[j] = exp(g_{j+1} + ... +
     g_i)``, the previous row's times ``exp(g_i)``). Every exponent is a span sum, never positive.
-    Tiles are transposed ([key columns, rows]): every sum over rows stays inside a warp.
     dg needs sums over the whole chunk: this launch leaves the sub-block's part in d_qd's rows and
     its two sums in ``sub_block_sums``; ``_gate_gradient_kernel`` adds the rest."""
     i_s = tl.program_id(0)
@@ -253,7 +251,7 @@ def _intra_backward_keys_kernel(
     cols_k = k0 + tl.arange(0, BKB)
     k_ok = cols_k < K
     HK = H * K
-    sequence = i_b * T * HK + i_h * K  # 64-bit bases; offsets inside a sequence or chunk are 32-bit
+    sequence = i_b * T * HK + i_h * K  # 64-bit; offsets inside the sequence are 32-bit
     q += sequence
     k += sequence
     g += sequence
@@ -263,53 +261,49 @@ def _intra_backward_keys_kernel(
     chunk_base = (i_bh * N + i_n) * 64 * 64
     d_A_scratch += chunk_base
     d_P_scratch += chunk_base
-    padded = (i_bh * N * 64 + first) * K  # the sub-block's first row in the saved buffers
-    d_qd += padded
-    d_kd += padded
-    d_bkd += padded
-    saved = r[None, :] * K + cols_k[:, None]
+    saved = i_bh * N * 64 * K + (first + r)[:, None] * K + cols_k[None, :]
 
     # Live tiles are few on purpose (registers decide the occupancy): each accumulator starts
     # from its off-diagonal part and the row loop adds to it; the row-local inputs are read after.
     # Pairs with earlier sub-blocks J (through the row before I).
-    from_earlier_A = tl.zeros((BKB, 16), dtype=tl.float32)
-    from_earlier_P = tl.zeros((BKB, 16), dtype=tl.float32)
+    from_earlier_A = tl.zeros((16, BKB), dtype=tl.float32)
+    from_earlier_P = tl.zeros((16, BKB), dtype=tl.float32)
     between = tl.full((BKB,), 1.0, tl.float32)
     for J_step in range(I):
         J = I - 1 - J_step
-        k_J = _columns(k, chunk_first + J * 16, T, HK, cols_k, k_ok, 0)
-        right_J = tl.exp(tl.cumsum(_columns(g, chunk_first + J * 16, T, HK, cols_k, k_ok, 1), 1, reverse=True))
-        k_right = k_J * right_J * between[:, None]
-        tile_T = (I * 16 + r)[None, :] * 64 + J * 16 + r[:, None]  # (dA[I, J])^T
-        from_earlier_A += tl.dot(k_right, tl.load(d_A_scratch + tile_T), input_precision=DOT)
-        from_earlier_P += tl.dot(k_right, tl.load(d_P_scratch + tile_T), input_precision=DOT)
+        k_J = _rows(k, chunk_first + J * 16, T, HK, cols_k, k_ok, 0)
+        right_J = tl.exp(tl.cumsum(_rows(g, chunk_first + J * 16, T, HK, cols_k, k_ok, 1), 0, reverse=True))
+        k_right = k_J * right_J * between[None, :]
+        tile = (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
+        from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
+        from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
         between = between * _sub_block_decay(g, chunk_first + J * 16, T, HK, cols_k, k_ok)
     before = between  # the decay of every sub-block before I
-    left = tl.exp(tl.cumsum(_columns(g, first, T, HK, cols_k, k_ok, 0), 1))  # g_{16 I} + ... + g_i
+    left = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 0), 0))  # g_{16 I} + ... + g_i
     d_bk_A = left * from_earlier_A
     d_q_P = left * from_earlier_P
 
     # Pairs with later sub-blocks I2 (through the row before I2); ``between`` ends as the decay
     # of every sub-block after I.
-    to_later = tl.zeros((BKB, 16), dtype=tl.float32)
+    to_later = tl.zeros((16, BKB), dtype=tl.float32)
     between = tl.full((BKB,), 1.0, tl.float32)
     for I2 in range(I + 1, 4):
         first2 = chunk_first + I2 * 16
-        g2 = _columns(g, first2, T, HK, cols_k, k_ok, 0)
-        left2 = tl.exp(tl.cumsum(g2, 1)) * between[:, None]
-        q2 = _columns(q, first2, T, HK, cols_k, k_ok, 0)
-        bk2 = _columns(b, first2, T, HK, cols_k, k_ok, 0) * _columns(k, first2, T, HK, cols_k, k_ok, 0)
-        tile = (I2 * 16 + r)[:, None] * 64 + I * 16 + r[None, :]  # dA[I2, I]
-        to_later += tl.dot(bk2 * left2, tl.load(d_A_scratch + tile), input_precision=DOT)
-        to_later += tl.dot(q2 * left2, tl.load(d_P_scratch + tile), input_precision=DOT)
-        between = between * tl.exp(tl.sum(g2, 1))
+        g2 = _rows(g, first2, T, HK, cols_k, k_ok, 0)
+        left2 = tl.exp(tl.cumsum(g2, 0)) * between[None, :]
+        q2 = _rows(q, first2, T, HK, cols_k, k_ok, 0)
+        bk2 = _rows(b, first2, T, HK, cols_k, k_ok, 0) * _rows(k, first2, T, HK, cols_k, k_ok, 0)
+        tile_T = (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
+        to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
+        to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
+        between = between * tl.exp(tl.sum(g2, 0))
     after = between
-    right = tl.exp(tl.cumsum(_columns(g, first, T, HK, cols_k, k_ok, 1), 1, reverse=True))  # g_{j+1} ... end of I
+    right = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
     d_k_pair = right * to_later
 
     # Pairs inside I, one row i at a time.
-    k_I = _columns(k, first, T, HK, cols_k, k_ok, 0)
-    E = tl.zeros((BKB, 16), dtype=tl.float32)
+    k_I = _rows(k, first, T, HK, cols_k, k_ok, 0)
+    E = tl.zeros((16, BKB), dtype=tl.float32)
     for i in range(16):
         t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
         row = t_i * HK + cols_k
@@ -317,27 +311,27 @@ def _intra_backward_keys_kernel(
         step_decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
         q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
         bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
-        E = tl.where(r[None, :] < i, E * step_decay[:, None], tl.where(r[None, :] == i, 1.0, 0.0))
+        E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
         entries = (I * 16 + i) * 64 + I * 16 + r  # row i of the diagonal block
         d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
         d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
         k_E = k_I * E
-        d_bk_A += tl.where(r[None, :] == i, tl.sum(k_E * d_A_row[None, :], 1)[:, None], 0.0)
-        d_q_P += tl.where(r[None, :] == i, tl.sum(k_E * d_P_row[None, :], 1)[:, None], 0.0)
-        d_k_pair += E * (bk_i[:, None] * d_A_row[None, :] + q_i[:, None] * d_P_row[None, :])
+        d_bk_A += tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], 0.0)
+        d_q_P += tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], 0.0)
+        d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
 
-    q_I = _columns(q, first, T, HK, cols_k, k_ok, 0)
-    b_I = _columns(b, first, T, HK, cols_k, k_ok, 0)
+    q_I = _rows(q, first, T, HK, cols_k, k_ok, 0)
+    b_I = _rows(b, first, T, HK, cols_k, k_ok, 0)
     bk_I = b_I * k_I
-    decay = left * before[:, None]  # exp(G_i)
-    decay_to_end = right * after[:, None]  # exp(g_{i+1} + ... + g_last)
-    d_q_decayed = tl.load(d_qd + saved, mask=k_ok[:, None], other=0.0)
-    d_k_to_end = tl.load(d_kd + saved, mask=k_ok[:, None], other=0.0)
-    d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[:, None], other=0.0)
-    d_P_diagonal = tl.load(d_P_scratch + (I * 16 + r) * 65)[None, :]  # P's diagonal goes straight to dq, dk
-    d_q = d_q_decayed * decay + d_P_diagonal * k_I + d_q_P
+    decay = left * before[None, :]  # exp(G_i)
+    decay_to_end = right * after[None, :]  # exp(g_{i+1} + ... + g_last)
+    d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
+    d_k_to_end = tl.load(d_kd + saved, mask=k_ok[None, :], other=0.0)
+    d_bk_decayed = tl.load(d_bkd + saved, mask=k_ok[None, :], other=0.0)
+    d_P_diagonal = tl.load(d_P_scratch + (I * 16 + r) * 65)  # P's diagonal goes straight to dq, dk
+    d_q = d_q_decayed * decay + d_P_diagonal[:, None] * k_I + d_q_P
     d_bk = d_bk_decayed * decay + d_bk_A
-    d_k = d_k_to_end * decay_to_end + d_P_diagonal * q_I + d_k_pair + d_bk * b_I
+    d_k = d_k_to_end * decay_to_end + d_P_diagonal[:, None] * q_I + d_k_pair + d_bk * b_I
     d_G = (d_q_decayed * q_I + d_bk_decayed * bk_I) * decay + bk_I * d_bk_A + q_I * d_q_P - k_I * d_k_pair
 
     # dg_i = (sum of d_G over rows s >= i) + (k-to-end terms of rows s < i) + gamma's term. Inside
@@ -345,16 +339,16 @@ def _intra_backward_keys_kernel(
     # rows before i are summed by an exact product (a cumulative sum minus the row would leave its
     # rounding in dg).
     k_to_end = d_k_to_end * k_I * decay_to_end
-    strictly_upper = (r[:, None] < r[None, :]).to(tl.float32)  # [s, i]: s < i
-    partial = tl.cumsum(d_G, 1, reverse=True) + tl.dot(k_to_end, strictly_upper, input_precision="ieee")
-    tl.store(d_qd + saved, partial, mask=k_ok[:, None])  # this program's own rows, read above
+    strictly_lower = (r[None, :] < r[:, None]).to(tl.float32)
+    partial = tl.cumsum(d_G, 0, reverse=True) + tl.dot(strictly_lower, k_to_end, input_precision="ieee")
+    tl.store(d_qd + saved, partial, mask=k_ok[None, :])  # this program's own rows, read above
     sums = sub_block_sums + ((i_bh * N + i_n) * 8 + I) * K + cols_k
-    tl.store(sums, tl.sum(d_G, 1), mask=k_ok)
-    tl.store(sums + 4 * K, tl.sum(k_to_end, 1), mask=k_ok)
+    tl.store(sums, tl.sum(d_G, 0), mask=k_ok)
+    tl.store(sums + 4 * K, tl.sum(k_to_end, 0), mask=k_ok)
 
     t = first + r
-    out = t[None, :] * HK + cols_k[:, None]
-    mask = k_ok[:, None] & (t < T)[None, :]
+    out = t[:, None] * HK + cols_k[None, :]
+    mask = (t < T)[:, None] & k_ok[None, :]
     tl.store(dq + sequence + out, d_q.to(dq.dtype.element_ty), mask=mask)
     tl.store(dk + sequence + out, d_k.to(dk.dtype.element_ty), mask=mask)
     tl.store(db + sequence + out, (d_bk * k_I).to(db.dtype.element_ty), mask=mask)
