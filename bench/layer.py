@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -285,6 +286,22 @@ def check_glue(args, device: Device) -> list[dict]:
     glue rounds its convolution to bf16, the fused one does not; gradients summed over many
     tokens, as A_log's, carry errors of a few percent in both, more on a few tokens). Prints each
     case's worst; returns the rows ({dtype, mixer, case, worst, error, margin}: margin > 1 fails)."""
+    # Exact float32 products on a GPU: the operator's (GDN2_TRITON_DOT=ieee) and cuDNN's convolution
+    # in the plain glue (TF32 by default): TF32 rounding would hide the glue's own differences.
+    previous = os.environ.get("GDN2_TRITON_DOT"), torch.backends.cudnn.allow_tf32
+    os.environ["GDN2_TRITON_DOT"] = "ieee"
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _check_glue(args, device)
+    finally:
+        if previous[0] is None:
+            os.environ.pop("GDN2_TRITON_DOT", None)
+        else:
+            os.environ["GDN2_TRITON_DOT"] = previous[0]
+        torch.backends.cudnn.allow_tf32 = previous[1]
+
+
+def _check_glue(args, device: Device) -> list[dict]:
     hidden, heads, head_dim = args.hidden // 4, max(1, args.heads // 4), args.head_dim
     mixers = {"plain": dict(hidden_size=hidden, head_dim=head_dim, num_heads=heads),
               "grouped": dict(hidden_size=hidden, head_dim=head_dim // 2, num_heads=heads, num_v_heads=2 * heads,
