@@ -301,7 +301,10 @@ def _intra_backward_keys_kernel(
     right = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
     d_k_pair = right * to_later
 
-    # Pairs inside I, one row i at a time.
+    # Pairs inside I, in two loops without sums across rows: one row i at a time for the keys'
+    # side (``E[j] = exp(g_{j+1} + ... + g_i)``, the previous row's times ``exp(g_i)``), one column j
+    # at a time, last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next
+    # column's times ``exp(g_{j+1})``).
     k_I = _rows(k, first, T, HK, cols_k, k_ok, 0)
     E = tl.zeros((16, BKB), dtype=tl.float32)
     for i in range(16):
@@ -315,10 +318,22 @@ def _intra_backward_keys_kernel(
         entries = (I * 16 + i) * 64 + I * 16 + r  # row i of the diagonal block
         d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
         d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
-        k_E = k_I * E
-        d_bk_A += tl.where(r[:, None] == i, tl.sum(d_A_row[:, None] * k_E, 0)[None, :], 0.0)
-        d_q_P += tl.where(r[:, None] == i, tl.sum(d_P_row[:, None] * k_E, 0)[None, :], 0.0)
         d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
+    F = tl.zeros((16, BKB), dtype=tl.float32)
+    for step in range(16):
+        j = 15 - step
+        t_next = first + j + 1 + 0 * cols_k
+        next_ok = k_ok & (t_next < T) & (t_next < first + 16)
+        next_decay = tl.exp(tl.load(g + t_next * HK + cols_k, mask=next_ok, other=0.0).to(tl.float32))
+        F = tl.where(r[:, None] > j, tl.where(r[:, None] == j + 1, 1.0, F) * next_decay[None, :], 0.0)
+        t_j = first + j + 0 * cols_k
+        k_j = tl.load(k + t_j * HK + cols_k, mask=k_ok & (t_j < T), other=0.0).to(tl.float32)
+        entries = (I * 16 + r) * 64 + I * 16 + j  # column j of the diagonal block
+        d_A_column = tl.where(r > j, tl.load(d_A_scratch + entries), 0.0)
+        d_P_column = tl.where(r > j, tl.load(d_P_scratch + entries), 0.0)
+        k_F = F * k_j[None, :]
+        d_bk_A += d_A_column[:, None] * k_F
+        d_q_P += d_P_column[:, None] * k_F
 
     q_I = _rows(q, first, T, HK, cols_k, k_ok, 0)
     b_I = _rows(b, first, T, HK, cols_k, k_ok, 0)
