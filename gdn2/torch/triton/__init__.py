@@ -1,14 +1,16 @@
 """The Triton kernel path of ``gdn2.torch.chunk_gdn2``.
 
-``unsupported_reason`` says whether the kernels can run a call; ``triton_gdn2`` runs it through a
-``torch.autograd.Function`` built from these launches:
+``unsupported_reason`` says whether the kernels can run a call; ``triton_gdn2`` runs it through two
+PyTorch custom operators (with their autograd) built from these launches:
 
-    forward:  intra_forward (parallel over chunks) -> state_forward (sequential over chunks)
-              -> output (parallel)
+    forward:  intra_forward (parallel: diagonal tiles, the rest of P and the inverse X, decays
+              and WY products) -> state_forward (sequential over chunks) -> output (parallel)
     backward: state_backward (sequential, reverse) -> in-chunk backward (parallel): contractions
-              (chunks x key blocks) -> values (chunks) -> keys (chunks x key blocks)
+              (chunks x key blocks) -> values (chunks) -> keys (sub-blocks x key blocks, then
+              dg's sums over each chunk)
 
-``docs/triton.md`` has the design, the numerics and what was measured. The kernels use chunks of 64 tokens; another ``chunk_size`` is a reason they cannot run the call.
+``docs/triton.md`` has the design, the numerics and what was measured. The kernels use chunks of
+64 tokens; another ``chunk_size`` is a reason they cannot run the call.
 
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The

@@ -1,5 +1,5 @@
 """Triton backward kernels of the chunked GDN-2 form: the exact adjoint of ``forward.py``
-(the equations are those of ``gdn2.algorithm.backward``). Four launches:
+(the equations are those of ``gdn2.algorithm.backward``). Four steps:
 
 * ``state_backward`` (one program per head and block of value columns, reverse over chunks):
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
@@ -8,13 +8,13 @@
 * ``intra_backward_contract`` (chunk x head x block of key columns): the state-sized contractions
   ``d_qd = scale dO S^T``, ``d_kd = U d_leaving^T``, ``d_bkd = -X^T (dU S^T)`` and ``d_gamma``.
 * ``intra_backward_values`` (chunk x head): ``dP = scale dO U^T``, ``d(wv) = X^T dU`` (dv, dw) and
-  ``dA = -(d(wv) Uw^T + d_bkd Wk^T)``; dA and dP go to memory, so that the key launch reads
-  entries (i, i - d) and (j + d, j) as plain row-indexed vectors.
-* ``intra_backward_keys`` (chunk x head x block of key columns): the WY adjoint, the adjoints of
-  the gated bilinear forms ``A`` and ``P`` (all spans of a diagonal 16x16 block at once, span sums
-  through the row before each sub-block off the diagonal) and the reverse cumulative sum that
-  turns the gradient of ``G`` into that of ``g``. P's diagonal and the k-to-end and gamma terms go straight to dq, dk and dg (they
-  cancel in dG only to rounding).
+  ``dA = -(d(wv) Uw^T + d_bkd Wk^T)``; dA and dP go to memory, where the key launch reads rows,
+  columns and 16x16 tiles of them.
+* ``intra_backward_keys`` (16-row sub-block x head x block of key columns, then chunk x head x
+  block of key columns): the WY adjoint and the adjoints of the gated bilinear forms ``A`` and
+  ``P`` (span sums through the row before a sub-block off the diagonal, products of per-step
+  decays inside it), then dg's sums over the chunk. P's diagonal and the k-to-end and gamma terms
+  go straight to dq, dk and dg (they cancel in dG only to rounding).
 """
 
 from __future__ import annotations
