@@ -97,7 +97,7 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
     out["wy"] = (
         fk._wy_kernel,
         dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=f32, kd_out=f32, Wk_out=f32, Uw_out=f32,
-             gamma_out=f32),
+             gamma_out=f32, first_bad_out="i32"),
         {}, dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot),
         fk.WY_WARPS,
     )
@@ -107,13 +107,14 @@ def kernels(K: int, V: int, inp: str, dot: str) -> dict:
     )
     out["state_forward"] = (
         fk._state_forward_kernel,
-        dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, initial_state=f32, states=f32, U_out=f32, final_state=f32),
+        dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=f32, U_out=f32,
+             final_state=f32),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot),
         fk.STATE_WARPS,
     )
     out["output"] = (
         fk._output_kernel,
-        dict(qd=f32, P=f32, states=f32, U=f32, o=inp), dict(scale="fp32"),
+        dict(qd=f32, P=f32, states=f32, U=f32, first_bad="i32", o=inp), dict(scale="fp32"),
         dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot),
         fk.OUTPUT_WARPS,
     )

@@ -102,12 +102,13 @@ def _forward(
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
         torch.empty(shape, dtype=torch.float32, device=q.device) for shape in _saved_shapes(B, T, H, K, V)
     )
-    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, precision)
+    first_bad = torch.empty(B, H, P.shape[2], V, dtype=torch.int32, device=q.device)
+    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision)
     initial = None if initial_state is None else initial_state.contiguous()
     final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    state_forward(Wk, kd, Uw, gamma, initial, states, U, final_state, precision)
+    state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    output(qd, P, states, U, o, scale, precision)
+    output(qd, P, states, U, first_bad, o, scale, precision)
     return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 
 

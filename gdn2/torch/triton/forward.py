@@ -55,6 +55,29 @@ STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have
 
 
 @triton.jit
+def _finite(x):
+    """x with every non-finite value replaced by 0 (a bad value must not reach earlier rows
+    through a product with a masked-out zero; its own rows are set to NaN explicitly)."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
+def _decay(g):
+    """g with NaN and +inf replaced by 0; -inf (a hard reset) kept."""
+    return tl.where(g < float("inf"), g, 0.0)
+
+
+@triton.jit
+def _load_finite(pointer, mask):
+    return _finite(tl.load(pointer, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _load_decay(pointer, mask):
+    return _decay(tl.load(pointer, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _inverse_unit_lower_16(A):
     """``(I + A)^{-1}`` for a strictly lower 16x16 ``A``, by forward substitution (exact order)."""
     r = tl.arange(0, 16)
@@ -90,11 +113,11 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
     q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
-    k_tile = tl.load(k + offsets, mask=ok, other=0.0).to(tl.float32)
-    bk = tl.load(b + offsets, mask=ok, other=0.0).to(tl.float32) * k_tile
-    g_tile = tl.load(g + offsets, mask=ok, other=0.0).to(tl.float32)
+    k_tile = _load_finite(k + offsets, ok)
+    bk = _load_finite(b + offsets, ok) * k_tile
+    g_tile = _load_decay(g + offsets, ok)
     next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
-    g_next = tl.load(g + offsets + HK, mask=next_ok, other=0.0).to(tl.float32)
+    g_next = _load_decay(g + offsets + HK, next_ok)
     L = tl.cumsum(g_tile, 0)
     R = tl.cumsum(g_next, 0, reverse=True)
     total = tl.sum(g_tile, 0)
@@ -124,15 +147,15 @@ def _diagonal_kernel(
     HK = H * K
     first = i_n * 64 + I * 16  # the sub-block's first token
     rows = i_b * T * HK + i_h * K + (first + r)[:, None] * HK + cols[None, :]
-    k_tile = tl.load(k + rows, mask=(first + r < T)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    k_tile = _load_finite(k + rows, (first + r < T)[:, None] & col_ok[None, :])
     E = tl.zeros((16, BK), dtype=tl.float32)
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     for i in range(16):
         row = i_b * T * HK + i_h * K + (first + i) * HK + cols
         row_ok = col_ok & (first + i + 0 * cols < T)  # a vector: the interpreter needs one
-        decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
+        decay = tl.exp(_load_decay(g + row, row_ok))
         q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
-        bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
+        bk_i = _load_finite(b + row, row_ok) * _load_finite(k + row, row_ok)
         E = tl.where(r[:, None] < i, E * decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
         k_E = k_tile * E
         tl.store(A_out + tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
@@ -265,13 +288,15 @@ def _wy_kernel(
     qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
     gamma_out,  # [B, H, N, K] float32
+    first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
 ):
     """One chunk's decayed queries and keys, gamma, and the WY products ``Wk = X (b k exp(G))``
     and ``Uw = X (w v)`` as whole-chunk [64, 64] x [64, block] products. ``G`` (the log decay
     from the chunk's start) and the decay to the chunk's end are cumulative sums of g over
-    their own spans."""
+    their own spans. Also where the chunk's inputs first go bad: a non-finite k or b, a NaN or
+    +inf g (any key channel: every value column), a non-finite v or w (its own column)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -292,19 +317,25 @@ def _wy_kernel(
     kd_out += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
+    key_bad = tl.zeros((64, BK), dtype=tl.int1)  # a bad key-side input, reduced over columns once at the end
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         offsets = t[:, None] * (H * K) + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         g_tile = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
-        g_next = tl.load(g + offsets + H * K, mask=next_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        k_tile = tl.load(k + offsets, mask=mask, other=0.0).to(tl.float32)
+        b_tile = tl.load(b + offsets, mask=mask, other=0.0).to(tl.float32)
+        bad = (g_tile != _decay(g_tile)) | (k_tile != _finite(k_tile)) | (b_tile != _finite(b_tile))
+        key_bad = key_bad | bad
+        g_tile = _decay(g_tile)
+        k_tile = _finite(k_tile)
+        b_tile = _finite(b_tile)
+        g_next = _load_decay(g + offsets + H * K, next_ok[:, None] & col_ok[None, :])
         decay = tl.exp(tl.cumsum(g_tile, 0))  # exp(g_0 + ... + g_i)
         to_end = tl.exp(tl.cumsum(g_next, 0, reverse=True))  # exp(g_{i+1} + ... + g_63)
         tl.store(gamma_out + (i_bh * N + i_n) * K + cols, tl.exp(tl.sum(g_tile, 0)), mask=col_ok)
         q_tile = tl.load(q + offsets, mask=mask, other=0.0).to(tl.float32)
-        k_tile = tl.load(k + offsets, mask=mask, other=0.0).to(tl.float32)
-        b_tile = tl.load(b + offsets, mask=mask, other=0.0).to(tl.float32)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & col_ok[None, :]
         dtype = qd_out.dtype.element_ty
@@ -312,6 +343,7 @@ def _wy_kernel(
         tl.store(kd_out + out, (k_tile * to_end).to(dtype), mask=out_ok)
         Wk = tl.dot(X_tile, b_tile * k_tile * decay, input_precision=DOT)
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
+    first_key_bad = tl.min(tl.min(tl.where(key_bad, rows[:, None], 64), 1), 0)
     sequence = i_b * T * H * V + i_h * V
     v += sequence
     w += sequence
@@ -320,17 +352,22 @@ def _wy_kernel(
         col_ok = cols < V
         offsets = t[:, None] * (H * V) + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        wv = tl.load(w + offsets, mask=mask, other=0.0).to(tl.float32) * tl.load(v + offsets, mask=mask, other=0.0).to(tl.float32)
-        Uw = tl.dot(X_tile, wv, input_precision=DOT)
+        w_raw = tl.load(w + offsets, mask=mask, other=0.0).to(tl.float32)
+        v_raw = tl.load(v + offsets, mask=mask, other=0.0).to(tl.float32)
+        bad = (w_raw != _finite(w_raw)) | (v_raw != _finite(v_raw))
+        first_bad = tl.minimum(tl.min(tl.where(bad, rows[:, None], 64), 0), first_key_bad)
+        tl.store(first_bad_out + (i_bh * N + i_n) * V + cols, first_bad, mask=col_ok)
+        Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
         out = rows[:, None] * V + cols[None, :]
         tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
 
 
-def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, dot_precision: str) -> None:
+def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X, then the decays and
     WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
-    ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]`` and ``P, X``
-    ``[B, H, N, 64, 64]``."""
+    ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
+    ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
+    the first row with a non-finite input; 64 when there is none)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = P.shape[2]
@@ -342,7 +379,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, dot_precision: 
         q, k, g, b, P, X, T, H, K, N, BK=BK, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
-        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, T, H, K, V, N,
+        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, first_bad, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, num_warps=WY_WARPS, num_stages=1,
     )
@@ -350,7 +387,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, dot_precision: 
 
 @triton.jit
 def _state_forward_kernel(
-    Wk, kd, Uw, gamma,  # [B, H, N * 64, K | K | V], [B, H, N, K]
+    Wk, kd, Uw, gamma, first_bad,  # [B, H, N * 64, K | K | V], [B, H, N, K], [B, H, N, V] int32
     initial_state, states, U_out, final_state,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
     K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -382,6 +419,10 @@ def _state_forward_kernel(
         U = U.to(U_out.dtype.element_ty)
         tl.store(U_out + values, U, mask=v_ok[None, :])
         state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U, input_precision=DOT)
+        # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
+        # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
+        poisoned = tl.load(first_bad + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
+        state = tl.where(poisoned[None, :], float("nan"), state)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
 
@@ -395,13 +436,13 @@ def value_block(V: int, programs_per_block: int) -> int:
     return block
 
 
-def state_forward(Wk, kd, Uw, gamma, initial_state, states, U, final_state, dot_precision: str) -> None:
+def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str) -> None:
     """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``)."""
     B, H, N, K, V = states.shape
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, B * H)
     _state_forward_kernel[(triton.cdiv(V, BV), B * H)](
-        Wk, kd, Uw, gamma,
+        Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
         states, U, final_state if final_state is not None else states,
         K, V, N, BK=BK, BV=BV,
@@ -412,7 +453,7 @@ def state_forward(Wk, kd, Uw, gamma, initial_state, states, U, final_state, dot_
 
 @triton.jit
 def _output_kernel(
-    qd, P, states, U, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, T, H, V]
+    qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -435,18 +476,22 @@ def _output_kernel(
         qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
         S = tl.load(states + state_base + cols_k[:, None] * V + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         out += tl.dot(qd_tile, S.to(qd_tile.dtype), input_precision=DOT)
+    # From a chunk's first bad input on (per value column), the outputs are NaN, as on the
+    # reference path; the rows before it are the clean run's.
+    poisoned_from = tl.load(first_bad + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=64)
+    out = tl.where(rows[:, None] >= poisoned_from[None, :], float("nan"), out)
     t = i_n * 64 + rows
     offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
     tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < T)[:, None] & v_ok[None, :])
 
 
-def output(qd, P, states, U, o, scale: float, dot_precision: str) -> None:
+def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str) -> None:
     """Launch the output kernel (writes ``o`` ``[B, T, H, V]``)."""
     B, T, H, V = o.shape
     N, K = states.shape[2], states.shape[3]
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
-        qd, P, states, U, o, scale, T, H, K, V, N,
+        qd, P, states, U, first_bad, o, scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, num_warps=OUTPUT_WARPS, num_stages=1,
     )
