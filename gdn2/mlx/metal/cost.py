@@ -54,20 +54,28 @@ def _round8(x: int) -> int:
 def scan_cost(B: int, T: int, H: int, K: int, V: int, itemsize: int = 2, backward: bool = True,
               interval: int = 64) -> list[Cost]:
     """The scan: forward 3 multiply-adds per state element and step (erase read, update, output
-    read); the vjp reruns it with checkpoints, replays every chunk (2 multiply-adds) and applies
-    the adjoint (about 10)."""
+    read); the vjp reruns it with checkpoints, then per chunk of C = ``interval`` steps and value
+    tile replays (2 multiply-adds a step) up to the last segment's start, storing the start
+    states of the segments between, replays each segment's first R - 1 steps again into
+    registers and applies the adjoint walking back (about 10)."""
     tokens = B * T * H
     inputs = tokens * (4 * K + 2 * V) * itemsize
     forward = Cost("scan forward", scan_flop=6.0 * K * V * tokens, bytes=inputs + tokens * V * itemsize, scan_steps=T)
     costs = [forward]
     if backward:
+        from .scan import backward_geometry  # the kernel's tile and segment length
+
+        geometry = backward_geometry(K, V)
+        segments = -(-interval // geometry.segment)
+        replayed = ((segments - 1) * geometry.segment + interval - segments) / interval  # replay steps per step
+        stored = max(0, segments - 2) / interval  # segment start states written and read back per step
         checkpoints = B * H * -(-T // interval) * K * V * 4
         costs.append(Cost("scan forward (checkpoints)", scan_flop=forward.scan_flop,
                           bytes=forward.bytes + checkpoints, scan_steps=T))
-        costs.append(Cost("scan backward", scan_flop=24.0 * K * V * tokens,
+        costs.append(Cost("scan backward", scan_flop=(20.0 + 4.0 * replayed) * K * V * tokens,
                           bytes=inputs + tokens * V * itemsize * 3 + tokens * K * itemsize * 4 + checkpoints
-                          + 8.0 * K * V * tokens,  # the replay scratch, written and read per step
-                          scan_steps=2 * T * -(-V // 32)))  # replay and walk, value tile after value tile
+                          + 8.0 * K * V * tokens * stored,
+                          scan_steps=round(T * (1 + replayed)) * -(-V // geometry.tile)))  # tile after tile
     return costs
 
 

@@ -6,8 +6,12 @@ and the path for short inputs where the chunked kernels' fixed cost per chunk do
 
 Backward (``BACKWARD_SOURCE``): one threadgroup per batch * head covering every value column,
 so the key-side gradients are summed over columns inside the kernel (no per-tile partial sums in
-device memory). Per chunk of C steps, last first, and per value tile: replay from the checkpoint
-into a per-group scratch, walk back.
+device memory). Per chunk of C steps (the checkpoint interval), last first, and per value tile:
+replay from the checkpoint to the start of the chunk's last segment of R steps, storing the start
+states of the segments in between (ceil(C / R) - 2 per chunk and tile); then per segment, last
+first, replay its R states into registers (each lane's slice: R ceil(K / 32) CPS floats) and walk
+them back. No state of a single step goes to device memory; every step is replayed about twice
+(1.75 times at C = 64, R = 8). The replayed states have the same bits as a replay into memory.
 
 Counted cost (``cost.scan_cost``; ESTIMATES, nothing here was measured: no Mac was available), per
 token and head at K = V = 128, bf16 inputs, and the estimated time at B=8 T=4096 H=16 on an M3 Max
@@ -17,18 +21,26 @@ of ~14 cycles per column and step against one cycle per FMA):
     kernel                  kFLOP   bytes     est. ms   threadgroup memory        registers/thread (est.)
     forward                  98.3    1792      16.5     16 L K bytes (16 kB)      ~30
     forward (checkpoints)    98.3    2816      16.5     as forward                as forward
-    backward                393.2    135424   177.5     16 K (1 + NS) (18-28 kB)  ~70 (K=128), ~90 (K=256)
+    backward                442.4    16640     74.3     16 K (1 + NS) (18-28 kB)  ~100 (K=128), ~90 (K=256)
 
-    ESTIMATED: forward 16.5 ms, forward+backward 211 ms at B=8 T=4096 H=16 K=V=128 bf16; the
-    backward's bytes are the replay scratch (8 K V per step), and it runs only B * H threadgroups.
+    ESTIMATED: forward 16.5 ms, forward+backward 107 ms at B=8 T=4096 H=16 K=V=128 bf16 (211 ms
+    with the earlier per-step replay scratch, 8 K V bytes per step); the backward is counted
+    compute-bound (20 + 4 * 1.75 FLOP per state element and step), and it runs only B * H
+    threadgroups. Of its bytes, 12288 per token are the segment start states (8 K V * 6 / 64).
 
 Threads: 32 * NS (forward 128; backward up to 256). Registers: the forward holds its columns'
-state (ceil(K / 32) * 2 floats per lane), the backward the state and its gradient
-(2 * ceil(K / 32) * CPS, CPS <= 32 / ceil(K / 32)) and a few per-key accumulators.
+state (ceil(K / 32) * 2 floats per lane). The backward (``backward_geometry``) gives a lane at
+most 8 floats of a state (CPS = 8 // ceil(K / 32) columns, at least 1) and holds R of them:
+R = 8 up to K = 128, R = 4 above, where the four per-key accumulators already take 4 ceil(K / 32)
+floats. Held states per lane: 64 floats at K = 64 and 128 (R 8 x 4 keys x 2 columns at K = 128),
+32 at K = 256 (4 x 8 x 1); with the state's gradient (8), the accumulators (16 at K = 128, 32 at
+K = 256) and the decayed state of one column (4, 8), the estimates above. A Mac's compiler must
+confirm that the unrolled segment loops keep ``held`` in registers (no spill).
 
 Transient memory of the backward (``backward_bytes``): checkpoints B H ceil(T / C) V Kp floats,
-scratch B H C NS CPS Kp, saved dS B H V Kp, per-chunk key sums B H C 4 K, the rerun forward's
-outputs: 2.5 GiB at B=8 T=4096 H=16 K=V=256 with C = 64 (0.9 GiB at K=V=128).
+segment start states B H max(1, ceil(C / R) - 2) NS CPS Kp, saved dS B H V Kp, per-chunk key sums
+B H C 4 K, the rerun forward's outputs: 2.4 GiB at B=8 T=4096 H=16 K=V=256 with C = 64 (0.7 GiB
+at K=V=128; 2.5 and 0.9 GiB with the per-step replay scratch).
 """
 
 from __future__ import annotations
@@ -56,10 +68,12 @@ _THREADGROUP_FLOATS = 7168  # 28 kB of the 32 kB of threadgroup memory
 
 @dataclass(frozen=True)
 class ScanGeometry:
-    """Threadgroup shape: ``simdgroups`` per group, each owning ``columns`` value columns."""
+    """Threadgroup shape: ``simdgroups`` per group, each owning ``columns`` value columns; the
+    backward replays and walks ``segment`` steps at a time with their states in registers."""
 
     simdgroups: int
     columns: int
+    segment: int = 8
 
     @property
     def tile(self) -> int:
@@ -72,10 +86,19 @@ def forward_geometry(K: int, V: int) -> ScanGeometry:
 
 
 def backward_geometry(K: int, V: int) -> ScanGeometry:
-    """As many simdgroups as the reduction buffer allows (one group per head does every column);
-    at most 32 state and 32 gradient floats per lane (S and dS are [ceil(K / 32), columns])."""
+    """As many simdgroups as the reduction buffer allows (one group per head does every column).
+    A lane holds at most 8 floats of a state (ceil(K / 32) key channels x columns) and a segment
+    of R = 8 states (4 above K = 128, where the four per-channel accumulators already take
+    4 ceil(K / 32) > 16 floats): at most 64 held floats per lane."""
     simdgroups = max(1, min(8, (_THREADGROUP_FLOATS - 4 * K) // (4 * K)))
-    return ScanGeometry(simdgroups, max(1, min(8, -(-V // simdgroups), 32 // _lanes(K))))
+    lanes = _lanes(K)
+    return ScanGeometry(simdgroups, max(1, min(8, -(-V // simdgroups), 8 // lanes)), 8 if lanes <= 4 else 4)
+
+
+def segment_slots(interval: int, segment: int) -> int:
+    """Start states a backward tile stores per chunk: every segment's but the first (the
+    checkpoint) and the last (left in registers); at least 1 so that the buffer is never empty."""
+    return max(1, -(-interval // segment) - 2)
 
 
 def forward_block(K: int) -> int:
@@ -98,13 +121,13 @@ def _lanes(K: int) -> int:
 def backward_bytes(B: int, T: int, H: int, K: int, V: int, interval: int, itemsize: int = 2,
                    geometry: ScanGeometry | None = None) -> int:
     """Transient device memory of one scan backward (the vjp): the forward rerun's checkpoints and
-    its discarded outputs, the replay scratch, the saved dS and the per-chunk key sums. Inputs
+    its discarded outputs, the segments' start states, the saved dS and the per-chunk key sums. Inputs
     and gradients are not counted (``itemsize``: bytes per element of the inputs)."""
     geometry = geometry or backward_geometry(K, V)
     KP = SIMD_WIDTH * _lanes(K)
     N = -(-T // interval)
     floats = (B * H * N * V * KP  # checkpoints
-              + B * H * interval * geometry.tile * KP  # scratch
+              + B * H * segment_slots(interval, geometry.segment) * geometry.tile * KP  # segment start states
               + B * H * V * KP  # saved dS
               + B * H * interval * 4 * K  # key sums
               + B * H * K * V)  # the rerun forward's final state
@@ -121,9 +144,9 @@ def _metal_kernel(name: str, source: str, input_names: tuple[str, ...], output_n
                                 source=source)
 
 
-def _template(dtype, K: int, V: int, geometry: ScanGeometry, interval: int, block: int, save: bool) -> list:
+def _template(dtype, K: int, V: int, geometry: ScanGeometry, interval: int) -> list:
     return [("InT", dtype), ("K", K), ("V", V), ("KPL", _lanes(K)), ("NS", geometry.simdgroups),
-            ("CPS", geometry.columns), ("C", interval), ("L", block), ("SAVE", save)]
+            ("CPS", geometry.columns), ("C", interval)]
 
 
 def forward_launch(q, k, v, g, b, w, state0, scale: float, interval: int, save: bool,
@@ -144,7 +167,7 @@ def forward_launch(q, k, v, g, b, w, state0, scale: float, interval: int, save: 
         output_names=FORWARD_OUTPUTS,
         inputs=[q, k, v, g, b, w, state0, mx.array([T, B, tiles, H], dtype=mx.int32),
                 mx.array([scale], dtype=mx.float32)],
-        template=_template(q.dtype, K, V, geometry, interval, forward_block(K), save),
+        template=_template(q.dtype, K, V, geometry, interval) + [("L", forward_block(K)), ("SAVE", save)],
         grid=(threads, tiles, B * H),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, T, H, V), (B, H, K, V), checkpoints],
@@ -156,7 +179,8 @@ def forward_launch(q, k, v, g, b, w, state0, scale: float, interval: int, save: 
 def backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale: float, interval: int,
                     geometry: ScanGeometry | None = None, source: str = BACKWARD_SOURCE,
                     name: str = "gdn2_scan_backward"):
-    """Every gradient (q's dtype; d_state0 float32) and three scratch buffers (float32)."""
+    """Every gradient (q's dtype; d_state0 float32) and three scratch buffers (float32): the
+    segments' start states, the saved dS between chunks, the per-chunk key sums."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     geometry = geometry or backward_geometry(K, V)
@@ -170,12 +194,13 @@ def backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale: float, i
         output_names=BACKWARD_OUTPUTS,
         inputs=[q, k, v, g, b, w, d_o, d_final, checkpoints, mx.array([T, B, tiles, H], dtype=mx.int32),
                 mx.array([scale], dtype=mx.float32)],
-        template=_template(q.dtype, K, V, geometry, interval, 1, False),
+        template=_template(q.dtype, K, V, geometry, interval)
+        + [("R", geometry.segment), ("SLOTS", segment_slots(interval, geometry.segment))],
         grid=(threads, 1, B * H),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H, K), (B, T, H, V),
-                       (B, H, K, V), (B * H * interval * geometry.tile * KP,), (B * H * V * KP,),
-                       (B * H * interval * 4 * K,)],
+                       (B, H, K, V), (B * H * segment_slots(interval, geometry.segment) * geometry.tile * KP,),
+                       (B * H * V * KP,), (B * H * interval * 4 * K,)],
         output_dtypes=[q.dtype] * 6 + [mx.float32] * 4,
         kernel=_metal_kernel(name, source, BACKWARD_INPUTS, BACKWARD_OUTPUTS),
     )

@@ -11,13 +11,19 @@ them from there.
 The backward runs one threadgroup per batch * head over every value tile (one after another), so
 the key-side gradients (sums over value columns) are summed inside the kernel: lanes over their
 columns, the group over its simdgroups in threadgroup memory, the tiles in a per-chunk buffer.
-Checkpoints, the replay scratch and the saved dS are laid out with the lane index fastest
-(``[..., column, i, lane]`` for key channel ``lane + 32 i``): every simd access is one 128-byte line.
+It walks each chunk back in segments of ``R`` steps whose states it replays into ``held``, a
+thread-private array ``[R][KPL][CPS]`` (registers: the loops that index it are unrolled with
+``#pragma clang loop unroll(full)``, which Metal's compiler honours and g++ ignores); only the
+segments' start states go to device memory. Checkpoints, segment start states and the saved dS
+are laid out with the lane index fastest (``[..., column, i, lane]`` for key channel
+``lane + 32 i``): every simd access is one 128-byte line.
 
 Template parameters: ``InT`` input dtype; ``K, V`` sizes; ``KPL`` key channels per lane; ``NS``
 simdgroups per group; ``CPS`` value columns per simdgroup; ``C`` checkpoint interval; ``L`` steps
-staged per block (forward); ``SAVE`` write checkpoints. Runtime: ``meta = [T, B, value tiles, H]``,
-``scale[0]``.
+staged per block (forward); ``SAVE`` write checkpoints; ``R`` steps per segment and ``SLOTS``
+segment start states stored per chunk and tile (backward; ``scan.segment_slots``, which also sizes
+the buffer).
+Runtime: ``meta = [T, B, value tiles, H]``, ``scale[0]``.
 
 The kernels use only the Metal subset that ``tests/metal_harness`` supports (see its README):
 kernel-scope ``threadgroup`` arrays, ``threadgroup_barrier``, ``simd_sum``, ``metal::exp``,
@@ -136,16 +142,57 @@ FORWARD_SOURCE = """
 """
 
 BACKWARD_INPUTS = ("q", "k", "v", "g", "b", "w", "d_o", "d_final", "checkpoints", "meta", "scale")
-BACKWARD_OUTPUTS = ("d_q", "d_k", "d_v", "d_g", "d_b", "d_w", "d_state0", "scratch", "saved_dS", "key_sums")
+BACKWARD_OUTPUTS = ("d_q", "d_k", "d_v", "d_g", "d_b", "d_w", "d_state0", "segment_starts", "saved_dS", "key_sums")
+
+
+def _replay_step(indent: str, t: str, source: str, target: str) -> str:
+    """One forward step of this simdgroup's columns, ``target = step(source)`` at step ``t``: the
+    same arithmetic wherever a state is replayed, so every replayed state has the same bits."""
+    text = """
+// Replay step TIME: SOURCE -> TARGET.
+for (uint kk = tid; kk < K; kk += NS * 32) {
+    const ulong off = ((ulong(b_idx) * steps + TIME) * H + h_idx) * K + kk;
+    const float kv = float(k[off]);
+    staged_k[kk] = kv;
+    staged_bk[kk] = float(b[off]) * kv;
+    staged_a[kk] = metal::exp(float(g[off]));
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint c = 0; c < CPS; ++c) {
+    const uint j = col0 + c;
+    const ulong off_v = ((ulong(b_idx) * steps + TIME) * H + h_idx) * V + j;
+    const float wv = (j < V) ? float(w[off_v]) * float(v[off_v]) : 0.0f;
+    float erased_part = 0.0f;
+    for (uint i = 0; i < KPL; ++i) {
+        const uint kk = lane + 32 * i;
+        if (kk < K) {
+            erased_part += staged_bk[kk] * staged_a[kk] * SOURCE[i][c];
+        }
+    }
+    const float u = wv - simd_sum(erased_part);
+    for (uint i = 0; i < KPL; ++i) {
+        const uint kk = lane + 32 * i;
+        TARGET[i][c] = (kk < K) ? staged_a[kk] * SOURCE[i][c] + staged_k[kk] * u : 0.0f;
+    }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);"""
+    text = text.replace("TIME", t).replace("SOURCE", source).replace("TARGET", target)
+    return "\n".join(indent + line if line else line for line in text.split("\n"))
+
 
 BACKWARD_SOURCE = """
     // Reverse scan, one threadgroup per batch * head covering every value column: per chunk of C
-    // steps (last first) and per value tile, replay the chunk from its checkpoint into this
-    // group's scratch, then walk it backwards applying the adjoint of each step. dS of a tile is
-    // kept between chunks in saved_dS. Key-side gradients (dq, sum_j dS u, dg, d(b k)) are sums
-    // over value columns: lanes sum their columns, the group its simdgroups (threadgroup memory),
-    // and the tiles are summed in key_sums[C, 4, K] (each key channel by one thread throughout,
-    // so no barrier orders these device accesses); the last tile writes the gradients.
+    // steps (last first) and per value tile, walk the chunk backwards in segments of R steps,
+    // last first, applying the adjoint of each step. A segment's R states (each thread's
+    // [KPL][CPS] slice of them) are replayed into `held`, a thread-private array indexed only by
+    // unrolled loops, so they stay in registers: no per-step state goes to device memory. The
+    // start state of a segment is the chunk's checkpoint (the first), left in held[0] by the
+    // chunk's first replay (the last), or written by that replay to segment_starts (the others,
+    // ceil(C / R) - 2 per chunk and tile). dS of a tile is kept between chunks in saved_dS.
+    // Key-side gradients (dq, sum_j dS u, dg, d(b k)) are sums over value columns: lanes sum
+    // their columns, the group its simdgroups (threadgroup memory), and the tiles are summed in
+    // key_sums[C, 4, K] (each key channel by one thread throughout, so no barrier orders these
+    // device accesses); the last tile writes the gradients.
     const uint lane = thread_index_in_simdgroup;
     const uint sg = simdgroup_index_in_threadgroup;
     const uint tid = thread_position_in_threadgroup.x;
@@ -169,10 +216,12 @@ BACKWARD_SOURCE = """
     for (uint n = n_checkpoints; n-- > 0;) {
         const uint t_begin = n * C;
         const uint t_end = metal::min(steps, t_begin + C);
+        const uint segments = (t_end - t_begin + R - 1) / R;
+        const uint last_start = t_begin + (segments - 1) * R;
         for (uint tile = 0; tile < tiles; ++tile) {
             const uint col0 = tile * TILE + sg * CPS;
             float dS[KPL][CPS];
-            float S[KPL][CPS];
+            float held[R][KPL][CPS];  // held[s]: the state before step (segment start + s)
             for (uint i = 0; i < KPL; ++i) {
                 const uint kk = lane + 32 * i;
                 for (uint c = 0; c < CPS; ++c) {
@@ -181,137 +230,154 @@ BACKWARD_SOURCE = """
                     dS[i][c] = !inside ? 0.0f
                              : (n + 1 == n_checkpoints) ? d_final[(ulong(bh) * K + kk) * V + j]
                                                         : saved_dS[(ulong(bh) * V + j) * KP + kk];
-                    S[i][c] = inside ? checkpoints[((ulong(bh) * n_checkpoints + n) * V + j) * KP + kk] : 0.0f;
+                    held[0][i][c] = inside ? checkpoints[((ulong(bh) * n_checkpoints + n) * V + j) * KP + kk] : 0.0f;
                 }
             }
 
-            // Replay the chunk forward from its checkpoint.
-            for (uint t = t_begin; t < t_end; ++t) {
-                for (uint kk = tid; kk < K; kk += NS * 32) {
-                    const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
-                    const float kv = float(k[off]);
-                    staged_k[kk] = kv;
-                    staged_bk[kk] = float(b[off]) * kv;
-                    staged_a[kk] = metal::exp(float(g[off]));
-                }
-                threadgroup_barrier(mem_flags::mem_threadgroup);
-                for (uint c = 0; c < CPS; ++c) {
-                    const uint j = col0 + c;
-                    const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
-                    const float wv = (j < V) ? float(w[off_v]) * float(v[off_v]) : 0.0f;
-                    float erased_part = 0.0f;
+            // Replay the chunk from its checkpoint up to the last segment's start, storing the
+            // start states of the segments between the first and the last.
+            for (uint t = t_begin; t < last_start; ++t) {
+                if (t > t_begin && (t - t_begin) % R == 0) {
                     for (uint i = 0; i < KPL; ++i) {
                         const uint kk = lane + 32 * i;
-                        if (kk < K) {
-                            scratch[((ulong(bh) * C + (t - t_begin)) * TILE + sg * CPS + c) * KP + kk] = S[i][c];
-                            erased_part += staged_bk[kk] * staged_a[kk] * S[i][c];
-                        }
-                    }
-                    const float u = wv - simd_sum(erased_part);
-                    for (uint i = 0; i < KPL; ++i) {
-                        const uint kk = lane + 32 * i;
-                        if (kk < K) {
-                            S[i][c] = staged_a[kk] * S[i][c] + staged_k[kk] * u;
+                        for (uint c = 0; c < CPS; ++c) {
+                            const uint j = col0 + c;
+                            if (kk < K && j < V) {
+                                const ulong slot = ulong(bh) * SLOTS + (t - t_begin) / R - 1;
+                                segment_starts[(slot * TILE + sg * CPS + c) * KP + kk] = held[0][i][c];
+                            }
                         }
                     }
                 }
-                threadgroup_barrier(mem_flags::mem_threadgroup);
+""" + _replay_step(" " * 16, "t", "held[0]", "held[0]") + """
             }
 
-            // Walk the chunk backwards.
-            for (uint t = t_end; t-- > t_begin;) {
-                for (uint kk = tid; kk < K; kk += NS * 32) {
-                    const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
-                    const float kv = float(k[off]);
-                    staged_q[kk] = float(q[off]);
-                    staged_k[kk] = kv;
-                    staged_bk[kk] = float(b[off]) * kv;
-                    staged_a[kk] = metal::exp(float(g[off]));
+            for (uint m = segments; m-- > 0;) {
+                const uint seg0 = t_begin + m * R;
+                if (m + 1 < segments) {
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        for (uint c = 0; c < CPS; ++c) {
+                            const uint j = col0 + c;
+                            const bool inside = kk < K && j < V;
+                            if (m == 0) {
+                                held[0][i][c] = inside
+                                    ? checkpoints[((ulong(bh) * n_checkpoints + n) * V + j) * KP + kk] : 0.0f;
+                            } else {
+                                const ulong slot = ulong(bh) * SLOTS + m - 1;
+                                held[0][i][c] = inside ? segment_starts[(slot * TILE + sg * CPS + c) * KP + kk] : 0.0f;
+                            }
+                        }
+                    }
                 }
-                threadgroup_barrier(mem_flags::mem_threadgroup);
 
-                float acc_q[KPL], acc_ku[KPL], acc_g[KPL], acc_bk[KPL];
-                for (uint i = 0; i < KPL; ++i) {
-                    acc_q[i] = 0.0f;
-                    acc_ku[i] = 0.0f;
-                    acc_g[i] = 0.0f;
-                    acc_bk[i] = 0.0f;
-                }
-                for (uint c = 0; c < CPS; ++c) {
-                    const uint j = col0 + c;
-                    const bool column = j < V;
-                    const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
-                    const float vv = column ? float(v[off_v]) : 0.0f;
-                    const float wv = column ? float(w[off_v]) : 0.0f;
-                    const float dov = column ? scale_value * float(d_o[off_v]) : 0.0f;
-                    float D[KPL];
-                    float erased_part = 0.0f;
-                    for (uint i = 0; i < KPL; ++i) {
-                        const uint kk = lane + 32 * i;
-                        const float prev = (kk < K && column)
-                            ? scratch[((ulong(bh) * C + (t - t_begin)) * TILE + sg * CPS + c) * KP + kk] : 0.0f;
-                        D[i] = (kk < K) ? staged_a[kk] * prev : 0.0f;
-                        erased_part += (kk < K) ? staged_bk[kk] * D[i] : 0.0f;
-                    }
-                    const float u = wv * vv - simd_sum(erased_part);
-                    float du_part = 0.0f;
-                    for (uint i = 0; i < KPL; ++i) {
-                        const uint kk = lane + 32 * i;
-                        if (kk < K) {
-                            const float state_t = D[i] + staged_k[kk] * u;
-                            acc_q[i] += state_t * dov;
-                            dS[i][c] += staged_q[kk] * dov;
-                            du_part += staged_k[kk] * dS[i][c];
-                        }
-                    }
-                    const float du = simd_sum(du_part);
-                    for (uint i = 0; i < KPL; ++i) {
-                        const uint kk = lane + 32 * i;
-                        if (kk < K) {
-                            acc_ku[i] += dS[i][c] * u;
-                            acc_bk[i] -= D[i] * du;
-                            const float dD = dS[i][c] - staged_bk[kk] * du;
-                            acc_g[i] += dD * D[i];
-                            dS[i][c] = dD * staged_a[kk];
-                        }
-                    }
-                    if (lane == 0 && column) {
-                        d_v[off_v] = static_cast<InT>(du * wv);
-                        d_w[off_v] = static_cast<InT>(du * vv);
+                // Replay the segment into registers (unrolled: held[s] needs constant indices).
+                #pragma clang loop unroll(full)
+                for (uint s = 1; s < R; ++s) {
+                    if (seg0 + s < t_end) {
+""" + _replay_step(" " * 24, "seg0 + s - 1", "held[s - 1]", "held[s]") + """
                     }
                 }
-                for (uint i = 0; i < KPL; ++i) {
-                    const uint kk = lane + 32 * i;
-                    if (kk < K) {
-                        reduce_buffer[(0 * NS + sg) * K + kk] = acc_q[i];
-                        reduce_buffer[(1 * NS + sg) * K + kk] = acc_ku[i];
-                        reduce_buffer[(2 * NS + sg) * K + kk] = acc_g[i];
-                        reduce_buffer[(3 * NS + sg) * K + kk] = acc_bk[i];
+
+                // Walk the segment backwards.
+                #pragma clang loop unroll(full)
+                for (uint s = R; s-- > 0;) {
+                    const uint t = seg0 + s;
+                    if (t >= t_end) {
+                        continue;
                     }
-                }
-                threadgroup_barrier(mem_flags::mem_threadgroup);
-                // Sum over simdgroups, then over tiles. The next writes to reduce_buffer come
-                // after the next step's first barrier, which every thread reaches only after this.
-                for (uint kk = tid; kk < K; kk += NS * 32) {
-                    float total[4];
-                    for (uint part = 0; part < 4; ++part) {
-                        total[part] = 0.0f;
-                        for (uint s = 0; s < NS; ++s) {
-                            total[part] += reduce_buffer[(part * NS + s) * K + kk];
-                        }
-                        const ulong at = ((ulong(bh) * C + (t - t_begin)) * 4 + part) * K + kk;
-                        if (tile > 0) {
-                            total[part] += key_sums[at];
-                        }
-                        key_sums[at] = total[part];
-                    }
-                    if (tile + 1 == tiles) {
+                    for (uint kk = tid; kk < K; kk += NS * 32) {
                         const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
                         const float kv = float(k[off]);
-                        d_q[off] = static_cast<InT>(total[0]);
-                        d_k[off] = static_cast<InT>(total[1] + total[3] * float(b[off]));
-                        d_g[off] = static_cast<InT>(total[2]);
-                        d_b[off] = static_cast<InT>(total[3] * kv);
+                        staged_q[kk] = float(q[off]);
+                        staged_k[kk] = kv;
+                        staged_bk[kk] = float(b[off]) * kv;
+                        staged_a[kk] = metal::exp(float(g[off]));
+                    }
+                    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+                    float acc_q[KPL], acc_ku[KPL], acc_g[KPL], acc_bk[KPL];
+                    for (uint i = 0; i < KPL; ++i) {
+                        acc_q[i] = 0.0f;
+                        acc_ku[i] = 0.0f;
+                        acc_g[i] = 0.0f;
+                        acc_bk[i] = 0.0f;
+                    }
+                    for (uint c = 0; c < CPS; ++c) {
+                        const uint j = col0 + c;
+                        const bool column = j < V;
+                        const ulong off_v = ((ulong(b_idx) * steps + t) * H + h_idx) * V + j;
+                        const float vv = column ? float(v[off_v]) : 0.0f;
+                        const float wv = column ? float(w[off_v]) : 0.0f;
+                        const float dov = column ? scale_value * float(d_o[off_v]) : 0.0f;
+                        float D[KPL];
+                        float erased_part = 0.0f;
+                        for (uint i = 0; i < KPL; ++i) {
+                            const uint kk = lane + 32 * i;
+                            const float prev = (kk < K && column) ? held[s][i][c] : 0.0f;
+                            D[i] = (kk < K) ? staged_a[kk] * prev : 0.0f;
+                            erased_part += (kk < K) ? staged_bk[kk] * D[i] : 0.0f;
+                        }
+                        const float u = wv * vv - simd_sum(erased_part);
+                        float du_part = 0.0f;
+                        for (uint i = 0; i < KPL; ++i) {
+                            const uint kk = lane + 32 * i;
+                            if (kk < K) {
+                                const float state_t = D[i] + staged_k[kk] * u;
+                                acc_q[i] += state_t * dov;
+                                dS[i][c] += staged_q[kk] * dov;
+                                du_part += staged_k[kk] * dS[i][c];
+                            }
+                        }
+                        const float du = simd_sum(du_part);
+                        for (uint i = 0; i < KPL; ++i) {
+                            const uint kk = lane + 32 * i;
+                            if (kk < K) {
+                                acc_ku[i] += dS[i][c] * u;
+                                acc_bk[i] -= D[i] * du;
+                                const float dD = dS[i][c] - staged_bk[kk] * du;
+                                acc_g[i] += dD * D[i];
+                                dS[i][c] = dD * staged_a[kk];
+                            }
+                        }
+                        if (lane == 0 && column) {
+                            d_v[off_v] = static_cast<InT>(du * wv);
+                            d_w[off_v] = static_cast<InT>(du * vv);
+                        }
+                    }
+                    for (uint i = 0; i < KPL; ++i) {
+                        const uint kk = lane + 32 * i;
+                        if (kk < K) {
+                            reduce_buffer[(0 * NS + sg) * K + kk] = acc_q[i];
+                            reduce_buffer[(1 * NS + sg) * K + kk] = acc_ku[i];
+                            reduce_buffer[(2 * NS + sg) * K + kk] = acc_g[i];
+                            reduce_buffer[(3 * NS + sg) * K + kk] = acc_bk[i];
+                        }
+                    }
+                    threadgroup_barrier(mem_flags::mem_threadgroup);
+                    // Sum over simdgroups, then over tiles. reduce_buffer is written next after
+                    // the next step's first barrier, which every thread reaches only after this.
+                    for (uint kk = tid; kk < K; kk += NS * 32) {
+                        float total[4];
+                        for (uint part = 0; part < 4; ++part) {
+                            total[part] = 0.0f;
+                            for (uint s2 = 0; s2 < NS; ++s2) {
+                                total[part] += reduce_buffer[(part * NS + s2) * K + kk];
+                            }
+                            const ulong at = ((ulong(bh) * C + (t - t_begin)) * 4 + part) * K + kk;
+                            if (tile > 0) {
+                                total[part] += key_sums[at];
+                            }
+                            key_sums[at] = total[part];
+                        }
+                        if (tile + 1 == tiles) {
+                            const ulong off = ((ulong(b_idx) * steps + t) * H + h_idx) * K + kk;
+                            const float kv = float(k[off]);
+                            d_q[off] = static_cast<InT>(total[0]);
+                            d_k[off] = static_cast<InT>(total[1] + total[3] * float(b[off]));
+                            d_g[off] = static_cast<InT>(total[2]);
+                            d_b[off] = static_cast<InT>(total[3] * kv);
+                        }
                     }
                 }
             }
