@@ -1,6 +1,7 @@
 """The layer's fused Triton kernels (``gdn2/torch/triton/conv.py``, ``norm.py``, ``gates.py``) under
-the Triton interpreter against the plain PyTorch layer code, forward and every gradient; and the
-whole layer with the kernels against the layer without them.
+the Triton interpreter against the plain PyTorch layer code, forward and every gradient; the whole
+layer with the kernels against the layer without them; the kernels' custom operators under
+``torch.library.opcheck``, and the layer with them under torch.compile (one graph, no break).
 
 Float32 inputs: the kernels compute in float32 as the plain code does, so results agree to
 rounding (1e-5 relative). bfloat16 inputs: compared with the plain code run in float32 on the
@@ -458,3 +459,120 @@ def test_a_failing_kernel_gives_way_to_the_plain_code_with_one_warning(monkeypat
     assert "they failed earlier in this process" in messages[1]
     close("output after the failure", first, expected, 0.0)
     close("output of the next call", second, expected, 0.0)
+
+
+# ---- custom operators and torch.compile -------------------------------------------------------
+
+
+def transposed_storage(t):
+    """``t``'s values with other strides: the first and last dimensions swapped in memory, or (one
+    dimension) every other element of a buffer twice as long."""
+    return t.movedim(0, -1).contiguous().movedim(-1, 0) if t.ndim > 1 else torch.stack([t, t], -1)[:, 0]
+
+
+def operator_cases():
+    """(name, operator, arguments): each operator on small inputs, with and without its optional
+    tensors, in float32 and bfloat16, a channel slice of a wider tensor where the kernel reads one."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32, grad=True):
+        return torch.randn(*shape, generator=generator).to(dtype).requires_grad_(grad)
+
+    wide = randn(2, 5, 24, grad=False)
+    ops = torch.ops.gdn2
+    mask = torch.rand(1, 6, generator=generator) > 0.3
+    positions = torch.tensor([[0, 1, 0, 1, 2, 0]], dtype=torch.int32)
+    conv_full = (wide[..., 4:20].requires_grad_(True), randn(16, 1, 4), randn(16), randn(2, 3, 16), None, None, 8, 1e-6)
+    conv_bare = (randn(1, 6, 12, dtype=torch.bfloat16), randn(12, 1, 3), None, None, positions, mask, None, 1e-6)
+    l2 = (randn(3, 24), 8, True, 1e-6)
+    l2_plain = (randn(4, 12, dtype=torch.bfloat16), 12, False, 1e-6)
+    rms = (randn(2, 3, 2, 8), randn(2, 3, 16, dtype=torch.bfloat16), randn(8), 1e-5)
+    decay = (randn(2, 3, 12, dtype=torch.bfloat16), randn(3), randn(12))
+    sigmoid = (randn(2, 3, 19, grad=False)[..., 5:12].requires_grad_(True), 2.0)
+
+    def no_grad(arguments):
+        return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in arguments)
+
+    def d_y(x):
+        return torch.randn(x.shape, generator=generator)
+
+    return [
+        ("conv", ops.short_conv_forward, conv_full + (torch.float32,)),
+        ("conv-bare", ops.short_conv_forward, conv_bare + (torch.float32,)),
+        ("conv-backward", ops.short_conv_backward, no_grad(conv_full[:6]) + (d_y(wide[..., :16]),) + conv_full[6:]),
+        ("conv-bare-backward", ops.short_conv_backward, no_grad(conv_bare[:6]) + (d_y(conv_bare[0]),) + conv_bare[6:]),
+        ("l2", ops.l2_normalize_forward, l2 + (torch.float32,)),
+        ("l2-bf16", ops.l2_normalize_forward, l2_plain + (torch.bfloat16,)),
+        ("l2-backward", ops.l2_normalize_backward, (l2[0].detach(), d_y(l2[0])) + l2[1:]),
+        ("rms", ops.gated_rms_norm_forward, rms + (torch.bfloat16,)),
+        ("rms-backward", ops.gated_rms_norm_backward, no_grad(rms[:3]) + (d_y(rms[0]), rms[3])),
+        ("decay", ops.decay_gate_forward, decay),
+        ("decay-backward", ops.decay_gate_backward, no_grad(decay) + (d_y(decay[0]),)),
+        ("sigmoid", ops.sigmoid_gate_forward, sigmoid),
+        ("sigmoid-backward", ops.sigmoid_gate_backward, (sigmoid[0].detach(), d_y(sigmoid[0]), sigmoid[1])),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(operator_cases())), ids=[name for name, *_ in operator_cases()])
+def test_custom_operators_pass_opcheck(case):
+    """Schema, fake (shape-only) implementation, autograd registration and AOT dispatch with
+    dynamic shapes, each against the operator run eagerly."""
+    _, operator, arguments = operator_cases()[case]
+    torch.library.opcheck(operator, arguments)
+
+
+@pytest.mark.parametrize("case", [name for name, *_ in operator_cases() if name.endswith("backward")])
+def test_backward_operators_read_inputs_of_any_strides(case):
+    """Autograd and the compiler hand the backward its inputs with the strides they were given:
+    the same values in transposed storage give the same gradients."""
+    _, operator, arguments = next(c for c in operator_cases() if c[0] == case)
+    expected = operator(*arguments)
+    strided = tuple(transposed_storage(a) if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
+                    for a in arguments)
+    assert any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in strided)
+    got = operator(*strided)
+    for g, e in zip(got if isinstance(got, list) else [got], expected if isinstance(expected, list) else [expected]):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+# Few heads and one batch row: the operator's kernels under the interpreter cost time per head.
+COMPILED_MIXERS = {
+    "grouped": dict(hidden_size=16, head_dim=8, num_heads=1, num_v_heads=2, expand_v=0.5, allow_neg_eigval=True,
+                    conv_bias=True),
+    "no_conv": dict(hidden_size=16, head_dim=8, num_heads=1, use_short_conv=False),
+}
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a kernel giving way to the plain code fails the test
+@pytest.mark.parametrize("mixer", COMPILED_MIXERS)
+def test_layer_with_kernels_compiles_without_graph_breaks(mixer, seed, monkeypatch):
+    """torch.compile of the layer's forward, loss and backward with the glue kernels and the Triton
+    operator (chunk_gdn2's kernel path): one graph, no break, every glue step and the operator as
+    custom operators in it, the same values and gradients as eager."""
+    monkeypatch.delenv("GDN2_PATH", raising=False)
+    monkeypatch.setattr(layer_module, "_glue_failure", None)
+    torch.manual_seed(seed)
+    kwargs = COMPILED_MIXERS[mixer]
+    layer = GatedDeltaNet2(**kwargs, path="kernel", use_kernels=True)  # chunk_size 64: the kernels'
+    x = torch.randn(1, 5, kwargs["hidden_size"], requires_grad=True)
+    inputs = [x] + list(layer.parameters())
+
+    def loss(x):
+        return (layer(x) ** 2).sum()
+
+    eager = loss(x)  # eager first: the interpreter is probed and the path choices logged here
+    eager_grads = torch.autograd.grad(eager, inputs)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(loss)(x)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    called = {str(node.target) for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"}
+    glue = {"short_conv_forward"} if kwargs.get("use_short_conv", True) else {"l2_normalize_forward"}
+    for name in glue | {"decay_gate_forward", "sigmoid_gate_forward", "gated_rms_norm_forward", "triton_forward"}:
+        assert f"gdn2.{name}.default" in called, (name, sorted(called))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager)
+    for name, traced, expected in zip(["x"] + [n for n, _ in layer.named_parameters()],
+                                      torch.autograd.grad(compiled, inputs), eager_grads):
+        torch.testing.assert_close(traced, expected, msg=name)

@@ -281,26 +281,79 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
     return dx, d_weight_parts.sum(0), d_bias, d_state
 
 
-class ShortConvolutionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, state, positions, mask, head_dim, eps, out_dtype):
-        D, W = weight.shape[0], weight.shape[-1]
-        weight2 = weight.reshape(D, W).contiguous()
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        conv_forward(x, weight2, bias, state, positions, mask, y, head_dim, eps)
-        ctx.save_for_backward(x, weight2, bias, state, positions, mask)
-        ctx.head_dim, ctx.eps, ctx.weight_shape = head_dim, eps, weight.shape
-        return y
+# The launches run inside PyTorch custom operators with fake (shape-only) and autograd
+# implementations registered, so that torch.compile traces through them without a graph break.
+# The operators take their inputs with any strides and make them fit the kernels themselves:
+# autograd and the compiler hand back saved inputs with the strides they were given.
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight2, bias, state, positions, mask = ctx.saved_tensors
-        dx, d_weight, d_bias, d_state = conv_backward(
-            x, weight2, bias, state, positions, mask, dy.contiguous(), ctx.head_dim, ctx.eps
-        )
-        d_weight = d_weight.reshape(ctx.weight_shape).to(weight2.dtype)
-        d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-        return dx, d_weight, d_bias, d_state, None, None, None, None, None
+
+def _kernel_inputs(x, weight, bias, state, positions, mask):
+    """The arguments as the kernels read them: x's rows evenly spaced (a channel slice of a wider
+    tensor stays in place), weight ``[D, W]``, the others contiguous, the mask as bytes."""
+    if row_stride(x) is None:
+        x = x.contiguous()
+    weight = weight.reshape(weight.shape[0], weight.shape[-1]).contiguous()
+    bias, state, positions = (None if t is None else t.contiguous() for t in (bias, state, positions))
+    mask = None if mask is None else mask.contiguous().view(torch.uint8)
+    return x, weight, bias, state, positions, mask
+
+
+@torch.library.custom_op("gdn2::short_conv_forward", mutates_args=())
+def _forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None,
+    positions: torch.Tensor | None, mask: torch.Tensor | None, head_dim: int | None, eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    x, weight, bias, state, positions, mask = _kernel_inputs(x, weight, bias, state, positions, mask)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    conv_forward(x, weight, bias, state, positions, mask, y, head_dim, eps)
+    return y
+
+
+@_forward.register_fake
+def _forward_shapes(x, weight, bias, state, positions, mask, head_dim, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("gdn2::short_conv_backward", mutates_args=())
+def _backward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None,
+    positions: torch.Tensor | None, mask: torch.Tensor | None, dy: torch.Tensor, head_dim: int | None, eps: float,
+) -> list[torch.Tensor]:
+    """``[dx, d_weight, d_bias, d_state]`` in the dtypes and shapes of their inputs (d_bias and
+    d_state empty where bias and state are None), all contiguous."""
+    dx, d_weight, d_bias, d_state = conv_backward(
+        *_kernel_inputs(x, weight, bias, state, positions, mask), dy.contiguous(), head_dim, eps
+    )
+    return [
+        dx,
+        d_weight.reshape(weight.shape).to(weight.dtype),
+        x.new_empty(0) if d_bias is None else d_bias.to(bias.dtype),
+        x.new_empty(0) if d_state is None else d_state,
+    ]
+
+
+@_backward.register_fake
+def _backward_shapes(x, weight, bias, state, positions, mask, dy, head_dim, eps):
+    return [x.new_empty(x.shape), weight.new_empty(weight.shape)] + [
+        x.new_empty(0) if t is None else t.new_empty(t.shape) for t in (bias, state)
+    ]
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, state, positions, mask, head_dim, eps, _ = inputs
+    ctx.save_for_backward(x, weight, bias, state, positions, mask)
+    ctx.head_dim, ctx.eps = head_dim, eps
+
+
+def _differentiate(ctx, dy):
+    x, weight, bias, state, positions, mask = ctx.saved_tensors
+    dx, d_weight, d_bias, d_state = _backward(x, weight, bias, state, positions, mask, dy, ctx.head_dim, ctx.eps)
+    return (dx, d_weight, None if bias is None else d_bias, None if state is None else d_state,
+            None, None, None, None, None)
+
+
+_forward.register_autograd(_differentiate, setup_context=_setup_context)
 
 
 def _tensor(name: str, value, ndim: int, device) -> None:
@@ -348,21 +401,18 @@ def short_convolution(
         _tensor("state", state, 3, x.device)
         if tuple(state.shape) != (B, W - 1, D):
             raise ValueError(f"state: expected shape {[B, W - 1, D]}, received {list(state.shape)}")
-        state = state.contiguous() if W > 1 else None
+        state = state if W > 1 else None
     if positions is not None:
         _tensor("positions", positions, 2, x.device)
         if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"positions: expected an int32/int64 tensor of shape {[B, T]}, received "
                              f"{str(positions.dtype).rsplit('.', 1)[-1]} {list(positions.shape)}")
-        positions = positions.contiguous()
     if mask is not None:
         _tensor("mask", mask, 2, x.device)
         if tuple(mask.shape) != (B, T) or mask.dtype != torch.bool:
             raise ValueError(f"mask: expected a bool tensor of shape {[B, T]}, received "
                              f"{str(mask.dtype).rsplit('.', 1)[-1]} {list(mask.shape)}")
-        mask = mask.contiguous().view(torch.uint8)
     if head_dim is not None and (head_dim < 1 or D % head_dim):
         raise ValueError(f"head_dim: expected a divisor of the {D} channels, received {head_dim}")
-    if row_stride(x) is None:
-        x = x.contiguous()
-    return ShortConvolutionFunction.apply(x, weight, bias, state, positions, mask, head_dim, float(eps), out_dtype or x.dtype)
+    head_dim = None if head_dim is None else int(head_dim)
+    return _forward(x, weight, bias, state, positions, mask, head_dim, float(eps), out_dtype or x.dtype)

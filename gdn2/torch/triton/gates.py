@@ -1,5 +1,7 @@
-"""Triton kernels of the layer's gates, each a ``torch.autograd.Function`` with float32 results
-(the operator's cumulative sums of ``g`` need them):
+"""Triton kernels of the layer's gates, each a PyTorch custom operator with float32 results (the
+operator's cumulative sums of ``g`` need them) and its fake (shape-only) and autograd
+implementations registered (``gdn2::decay_gate_forward``, ``gdn2::sigmoid_gate_forward`` and
+their backwards), so that torch.compile traces through them without a graph break:
 
 * ``decay_gate(f, A_log, dt_bias)``: ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` per channel
   of ``[..., H * K]`` (head ``h`` = channel // K); softplus as ``torch.nn.functional.softplus``
@@ -76,37 +78,63 @@ def _decay_backward_kernel(
     tl.store(d_rate_parts + i_p * D + cols, d_rate, mask=col_ok)
 
 
-class DecayGateFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, f, A_log, dt_bias):
-        D = f.shape[-1]
-        R, K = f.numel() // D, D // A_log.shape[0]
-        g = torch.empty(f.shape, dtype=torch.float32, device=f.device)
-        BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
-        _decay_forward_kernel[(triton.cdiv(R, ROW_BLOCK), triton.cdiv(D, BD))](
-            f, A_log, dt_bias, g, R, D, K, BR=ROW_BLOCK, BD=BD, num_warps=WARPS
-        )
-        ctx.save_for_backward(f, A_log, dt_bias)
-        return g
+# The operators take their inputs with any strides and make them fit the kernels themselves:
+# autograd and the compiler hand back saved inputs with the strides they were given.
 
-    @staticmethod
-    def backward(ctx, dg):
-        f, A_log, dt_bias = ctx.saved_tensors
-        D = f.shape[-1]
-        H = A_log.shape[0]
-        R, K = f.numel() // D, D // H
-        BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
-        channel_programs = triton.cdiv(D, BD)
-        row_blocks = triton.cdiv(R, ROW_BLOCK)
-        P = max(1, min(row_blocks, BACKWARD_PROGRAMS // channel_programs))
-        df = torch.empty_like(f)
-        d_shift_parts, d_rate_parts = (torch.empty(P, D, dtype=torch.float32, device=f.device) for _ in range(2))
-        _decay_backward_kernel[(P, channel_programs)](
-            f, A_log, dt_bias, dg.contiguous(), df, d_shift_parts, d_rate_parts, R, D, K, P, row_blocks,
-            BR=ROW_BLOCK, BD=BD, num_warps=WARPS,
-        )
-        d_A_log = d_rate_parts.sum(0).view(H, K).sum(1).to(A_log.dtype)
-        return df, d_A_log, d_shift_parts.sum(0).to(dt_bias.dtype)
+
+@torch.library.custom_op("gdn2::decay_gate_forward", mutates_args=())
+def _decay_forward(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    f, A_log, dt_bias = f.contiguous(), A_log.contiguous(), dt_bias.contiguous()
+    D = f.shape[-1]
+    R, K = f.numel() // D, D // A_log.shape[0]
+    g = torch.empty(f.shape, dtype=torch.float32, device=f.device)
+    BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
+    _decay_forward_kernel[(triton.cdiv(R, ROW_BLOCK), triton.cdiv(D, BD))](
+        f, A_log, dt_bias, g, R, D, K, BR=ROW_BLOCK, BD=BD, num_warps=WARPS
+    )
+    return g
+
+
+@_decay_forward.register_fake
+def _decay_forward_shapes(f, A_log, dt_bias):
+    return f.new_empty(f.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("gdn2::decay_gate_backward", mutates_args=())
+def _decay_backward(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, dg: torch.Tensor) -> list[torch.Tensor]:
+    """``[df, d_A_log, d_dt_bias]`` in the shapes and dtypes of f, A_log and dt_bias, contiguous."""
+    f, A_log, dt_bias = f.contiguous(), A_log.contiguous(), dt_bias.contiguous()
+    D = f.shape[-1]
+    H = A_log.shape[0]
+    R, K = f.numel() // D, D // H
+    BD = min(CHANNEL_BLOCK, triton.next_power_of_2(D))
+    channel_programs = triton.cdiv(D, BD)
+    row_blocks = triton.cdiv(R, ROW_BLOCK)
+    P = max(1, min(row_blocks, BACKWARD_PROGRAMS // channel_programs))
+    df = torch.empty(f.shape, dtype=f.dtype, device=f.device)
+    d_shift_parts, d_rate_parts = (torch.empty(P, D, dtype=torch.float32, device=f.device) for _ in range(2))
+    _decay_backward_kernel[(P, channel_programs)](
+        f, A_log, dt_bias, dg.contiguous(), df, d_shift_parts, d_rate_parts, R, D, K, P, row_blocks,
+        BR=ROW_BLOCK, BD=BD, num_warps=WARPS,
+    )
+    d_A_log = d_rate_parts.sum(0).view(H, K).sum(1).to(A_log.dtype)
+    return [df, d_A_log, d_shift_parts.sum(0).to(dt_bias.dtype)]
+
+
+@_decay_backward.register_fake
+def _decay_backward_shapes(f, A_log, dt_bias, dg):
+    return [t.new_empty(t.shape) for t in (f, A_log, dt_bias)]
+
+
+def _decay_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _decay_differentiate(ctx, dg):
+    return tuple(_decay_backward(*ctx.saved_tensors, dg))
+
+
+_decay_forward.register_autograd(_decay_differentiate, setup_context=_decay_setup_context)
 
 
 def decay_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
@@ -123,7 +151,7 @@ def decay_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> t
         raise ValueError(f"dt_bias: expected shape [{D}] (f's last dimension), received {list(dt_bias.shape)}")
     if A_log.ndim != 1 or A_log.shape[0] < 1 or D % A_log.shape[0]:
         raise ValueError(f"A_log: expected shape [H] with H dividing {D}, received {list(A_log.shape)}")
-    return DecayGateFunction.apply(f.contiguous(), A_log.contiguous(), dt_bias.contiguous())
+    return _decay_forward(f, A_log, dt_bias)
 
 
 @triton.jit
@@ -159,28 +187,48 @@ def _sigmoid_grid(R: int, D: int):
     return (triton.cdiv(R, BR), triton.cdiv(D, BD)), BR, BD
 
 
-class SigmoidGateFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        rows = _rows(x)
-        R, D = rows.shape
-        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        grid, BR, BD = _sigmoid_grid(R, D)
-        _sigmoid_forward_kernel[grid](rows, y, R, D, rows.stride(0), scale, BR=BR, BD=BD, num_warps=WARPS)
-        ctx.save_for_backward(rows)
-        ctx.scale, ctx.shape = scale, x.shape
-        return y
+@torch.library.custom_op("gdn2::sigmoid_gate_forward", mutates_args=())
+def _sigmoid_forward(x: torch.Tensor, scale: float) -> torch.Tensor:
+    rows = _rows(x)
+    R, D = rows.shape
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    grid, BR, BD = _sigmoid_grid(R, D)
+    _sigmoid_forward_kernel[grid](rows, y, R, D, rows.stride(0), scale, BR=BR, BD=BD, num_warps=WARPS)
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        (rows,) = ctx.saved_tensors
-        R, D = rows.shape
-        dx = torch.empty(ctx.shape, dtype=rows.dtype, device=rows.device)
-        grid, BR, BD = _sigmoid_grid(R, D)
-        _sigmoid_backward_kernel[grid](
-            rows, dy.contiguous(), dx, R, D, rows.stride(0), ctx.scale, BR=BR, BD=BD, num_warps=WARPS
-        )
-        return dx, None
+
+@_sigmoid_forward.register_fake
+def _sigmoid_forward_shapes(x, scale):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("gdn2::sigmoid_gate_backward", mutates_args=())
+def _sigmoid_backward(x: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
+    rows = _rows(x)
+    R, D = rows.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grid, BR, BD = _sigmoid_grid(R, D)
+    _sigmoid_backward_kernel[grid](rows, dy.contiguous(), dx, R, D, rows.stride(0), scale, BR=BR, BD=BD, num_warps=WARPS)
+    return dx
+
+
+@_sigmoid_backward.register_fake
+def _sigmoid_backward_shapes(x, dy, scale):
+    return x.new_empty(x.shape)
+
+
+def _sigmoid_setup_context(ctx, inputs, output):
+    x, scale = inputs
+    ctx.save_for_backward(x)
+    ctx.scale = scale
+
+
+def _sigmoid_differentiate(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _sigmoid_backward(x, dy, ctx.scale), None
+
+
+_sigmoid_forward.register_autograd(_sigmoid_differentiate, setup_context=_sigmoid_setup_context)
 
 
 def sigmoid_gate(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -188,4 +236,4 @@ def sigmoid_gate(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     tensor (rows evenly spaced) is read in place."""
     if not isinstance(x, torch.Tensor) or x.ndim < 1:
         raise ValueError(f"x: expected a torch.Tensor with at least one dimension, received {type(x).__name__}")
-    return SigmoidGateFunction.apply(x, float(scale))
+    return _sigmoid_forward(x, float(scale))

@@ -1,4 +1,7 @@
-"""Triton kernels of the layer's normalisations, each a ``torch.autograd.Function``:
+"""Triton kernels of the layer's normalisations, each a PyTorch custom operator with its fake
+(shape-only) and autograd implementations registered (``gdn2::l2_normalize_forward``,
+``gdn2::gated_rms_norm_forward`` and their backwards), so that torch.compile traces through them
+without a graph break:
 
 * ``l2_normalize(x, head_dim, silu)``: ``y = a / sqrt(sum(a^2) + eps)`` per head of ``head_dim``
   channels, ``a = silu(x)`` or ``x`` (the layer without short convolutions; with them the
@@ -62,27 +65,54 @@ def _row_block(width: int) -> tuple[int, int]:
     return max(1, TILE_ELEMENTS // block), block
 
 
-class L2NormalizeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, head_dim: int, silu: bool, eps: float, out_dtype):
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        R = x.numel() // head_dim
-        BR, BK = _row_block(head_dim)
-        _l2_forward_kernel[(triton.cdiv(R, BR),)](x, y, R, head_dim, eps, BR=BR, BK=BK, SILU=silu, num_warps=WARPS)
-        ctx.save_for_backward(x)
-        ctx.head_dim, ctx.silu, ctx.eps = head_dim, silu, eps
-        return y
+# The operators take their inputs with any strides and make them contiguous themselves: autograd
+# and the compiler hand back saved inputs with the strides they were given.
 
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        R = x.numel() // ctx.head_dim
-        BR, BK = _row_block(ctx.head_dim)
-        _l2_backward_kernel[(triton.cdiv(R, BR),)](
-            x, dy.contiguous(), dx, R, ctx.head_dim, ctx.eps, BR=BR, BK=BK, SILU=ctx.silu, num_warps=WARPS
-        )
-        return dx, None, None, None, None
+
+@torch.library.custom_op("gdn2::l2_normalize_forward", mutates_args=())
+def _l2_forward(x: torch.Tensor, head_dim: int, silu: bool, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    R = x.numel() // head_dim
+    BR, BK = _row_block(head_dim)
+    _l2_forward_kernel[(triton.cdiv(R, BR),)](x, y, R, head_dim, eps, BR=BR, BK=BK, SILU=silu, num_warps=WARPS)
+    return y
+
+
+@_l2_forward.register_fake
+def _l2_forward_shapes(x, head_dim, silu, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("gdn2::l2_normalize_backward", mutates_args=())
+def _l2_backward(x: torch.Tensor, dy: torch.Tensor, head_dim: int, silu: bool, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    R = x.numel() // head_dim
+    BR, BK = _row_block(head_dim)
+    _l2_backward_kernel[(triton.cdiv(R, BR),)](
+        x, dy.contiguous(), dx, R, head_dim, eps, BR=BR, BK=BK, SILU=silu, num_warps=WARPS
+    )
+    return dx
+
+
+@_l2_backward.register_fake
+def _l2_backward_shapes(x, dy, head_dim, silu, eps):
+    return x.new_empty(x.shape)
+
+
+def _l2_setup_context(ctx, inputs, output):
+    x, head_dim, silu, eps, _ = inputs
+    ctx.save_for_backward(x)
+    ctx.head_dim, ctx.silu, ctx.eps = head_dim, silu, eps
+
+
+def _l2_differentiate(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _l2_backward(x, dy, ctx.head_dim, ctx.silu, ctx.eps), None, None, None, None
+
+
+_l2_forward.register_autograd(_l2_differentiate, setup_context=_l2_setup_context)
 
 
 def l2_normalize(x: torch.Tensor, head_dim: int, *, silu: bool = False, eps: float = 1e-6,
@@ -94,7 +124,7 @@ def l2_normalize(x: torch.Tensor, head_dim: int, *, silu: bool = False, eps: flo
         raise ValueError(f"x: expected a torch.Tensor with at least one dimension, received {type(x).__name__}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1 or x.shape[-1] % head_dim:
         raise ValueError(f"head_dim: expected a divisor of x's last dimension {x.shape[-1]}, received {head_dim!r}")
-    return L2NormalizeFunction.apply(x.contiguous(), head_dim, bool(silu), float(eps), out_dtype or x.dtype)
+    return _l2_forward(x, head_dim, bool(silu), float(eps), out_dtype or x.dtype)
 
 
 @triton.jit
@@ -141,33 +171,63 @@ def _gated_rms_backward_kernel(
     tl.store(d_weight_parts + i_p * V + cols, d_scale, mask=col_ok)
 
 
-class GatedRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, gate, weight, eps: float, out_dtype):
-        V = weight.shape[0]
-        R = x.numel() // V
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        BR, BV = _row_block(V)
-        _gated_rms_forward_kernel[(triton.cdiv(R, BR),)](x, gate, weight, y, R, V, eps, BR=BR, BV=BV, num_warps=WARPS)
-        ctx.save_for_backward(x, gate, weight)
-        ctx.eps = eps
-        return y
+@torch.library.custom_op("gdn2::gated_rms_norm_forward", mutates_args=())
+def _gated_rms_forward(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    x, gate, weight = x.contiguous(), gate.contiguous(), weight.contiguous()
+    V = weight.shape[0]
+    R = x.numel() // V
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    BR, BV = _row_block(V)
+    _gated_rms_forward_kernel[(triton.cdiv(R, BR),)](x, gate, weight, y, R, V, eps, BR=BR, BV=BV, num_warps=WARPS)
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, gate, weight = ctx.saved_tensors
-        V = weight.shape[0]
-        R = x.numel() // V
-        BR, BV = _row_block(V)
-        row_blocks = triton.cdiv(R, BR)
-        P = max(1, min(row_blocks, BACKWARD_PROGRAMS))
-        dx, d_gate = torch.empty_like(x), torch.empty_like(gate)
-        d_weight_parts = torch.empty(P, V, dtype=torch.float32, device=x.device)
-        _gated_rms_backward_kernel[(P,)](
-            x, gate, weight, dy.contiguous(), dx, d_gate, d_weight_parts, R, V, ctx.eps, P, row_blocks,
-            BR=BR, BV=BV, num_warps=WARPS,
-        )
-        return dx, d_gate, d_weight_parts.sum(0).to(weight.dtype), None, None
+
+@_gated_rms_forward.register_fake
+def _gated_rms_forward_shapes(x, gate, weight, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("gdn2::gated_rms_norm_backward", mutates_args=())
+def _gated_rms_backward(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float
+) -> list[torch.Tensor]:
+    """``[dx, d_gate, d_weight]`` in the shapes and dtypes of x, gate and weight, contiguous."""
+    x, gate, weight = x.contiguous(), gate.contiguous(), weight.contiguous()
+    V = weight.shape[0]
+    R = x.numel() // V
+    BR, BV = _row_block(V)
+    row_blocks = triton.cdiv(R, BR)
+    P = max(1, min(row_blocks, BACKWARD_PROGRAMS))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_weight_parts = torch.empty(P, V, dtype=torch.float32, device=x.device)
+    _gated_rms_backward_kernel[(P,)](
+        x, gate, weight, dy.contiguous(), dx, d_gate, d_weight_parts, R, V, eps, P, row_blocks,
+        BR=BR, BV=BV, num_warps=WARPS,
+    )
+    return [dx, d_gate, d_weight_parts.sum(0).to(weight.dtype)]
+
+
+@_gated_rms_backward.register_fake
+def _gated_rms_backward_shapes(x, gate, weight, dy, eps):
+    return [x.new_empty(x.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape)]
+
+
+def _gated_rms_setup_context(ctx, inputs, output):
+    x, gate, weight, eps, _ = inputs
+    ctx.save_for_backward(x, gate, weight)
+    ctx.eps = eps
+
+
+def _gated_rms_differentiate(ctx, dy):
+    x, gate, weight = ctx.saved_tensors
+    dx, d_gate, d_weight = _gated_rms_backward(x, gate, weight, dy, ctx.eps)
+    return dx, d_gate, d_weight, None, None
+
+
+_gated_rms_forward.register_autograd(_gated_rms_differentiate, setup_context=_gated_rms_setup_context)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-5,
@@ -189,4 +249,4 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *,
                          f"{list(gate.shape)} for x of shape {list(x.shape)}")
     if gate.shape[-1] % V:
         raise ValueError(f"gate: expected a last dimension that is a multiple of V = {V}, received {list(gate.shape)}")
-    return GatedRMSNormFunction.apply(x.contiguous(), gate.contiguous(), weight, float(eps), out_dtype or x.dtype)
+    return _gated_rms_forward(x, gate, weight, float(eps), out_dtype or x.dtype)
