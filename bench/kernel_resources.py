@@ -72,11 +72,12 @@ def main() -> None:
     parser.add_argument("--V", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
+    parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
     inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
-    for name, (kernel, pointers, scalars, constants, warps) in kernels(args.K, args.V, inp, args.dot).items():
+    for name, (kernel, pointers, scalars, constants, warps) in kernels(args.K, args.V, inp, args.dot, args.packed).items():
         try:
             shared, report = compile_kernel(kernel, pointers, scalars, constants, warps)
             print(f"{name:16s} {warps} warps, shared {shared / 1024:.1f} KiB, {summary(report)}", flush=True)
@@ -84,71 +85,77 @@ def main() -> None:
             print(f"{name:16s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
 
 
-def kernels(K: int, V: int, inp: str, dot: str) -> dict:
-    """Each kernel with the pointer dtypes and constants its launcher uses for (K, V)."""
+def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
+    """Each kernel with the pointer dtypes and constants its launcher uses for (K, V), for packed
+    sequences (``packed``) or a batch."""
     f32 = "fp32"
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
     out["intra_forward"] = (
-        fk._intra_forward_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot), fk.INTRA_FORWARD_WARPS,
+        fk._intra_forward_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, chunk_table="i32"), {},
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed), fk.INTRA_FORWARD_WARPS,
     )
     out["wy"] = (
         fk._wy_kernel,
         dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=f32, kd_out=f32, Wk_out=f32, Uw_out=f32,
-             gamma_out=f32, first_bad_out="i32"),
-        {}, dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot),
+             gamma_out=f32, first_bad_out="i32", chunk_table="i32"),
+        {}, dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
+                 PACKED=packed),
         fk.WY_WARPS,
     )
     out["diagonal"] = (
-        fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32), {}, dict(K=K, BK=bk),
+        fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {},
+        dict(K=K, BK=bk, PACKED=packed),
         fk.DIAGONAL_WARPS,
     )
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=f32, U_out=f32,
-             final_state=f32),
-        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot),
+             final_state=f32, sequence_chunks="i32"),
+        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
+                 PACKED=packed),
         fk.STATE_WARPS,
     )
     out["output"] = (
         fk._output_kernel,
-        dict(qd=f32, P=f32, states=f32, U=f32, first_bad="i32", o=inp), dict(scale="fp32"),
-        dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot),
+        dict(qd=f32, P=f32, states=f32, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
+        dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
     bw = backward
     out["state_backward"] = (
         bw._state_backward_kernel,
-        dict(qd=f32, kd=f32, Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32),
+        dict(qd=f32, kd=f32, Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32,
+             chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
     )
     blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),
-                  BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))), C=64, DOT=dot)
+                  BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))), C=64, DOT=dot,
+                  PACKED=packed)
     out["intra_backward_contract"] = (
         bw._intra_backward_contract_kernel,
         dict(states=f32, U=f32, d_o=inp, d_leaving=f32, d_U=f32, inverse=f32, d_qd=f32, d_kd=f32, d_bkd=f32,
-             d_gamma=f32),
+             d_gamma=f32, chunk_table="i32"),
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
         dict(v=inp, w=inp, Wk=f32, Uw=f32, inverse=f32, U=f32, d_o=inp, d_U=f32, d_bkd=f32,
-             d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp),
+             d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_keys"] = (
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
-             d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot), bw.INTRA_BACKWARD_KEYS_WARPS,
+             d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed), bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     out["gate_gradient"] = (
-        bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp), {},
-        dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk)), 4,
+        bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp, chunk_table="i32"),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), PACKED=packed), 4,
     )
     return out
 

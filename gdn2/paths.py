@@ -58,6 +58,9 @@ class KernelBackend:
 
     ``describe(q, k, v, g, b, w, initial_state, chunk_size)``: which of its kernels the package
     would run and why, added to the reason of a kernel choice (None: nothing to add).
+
+    ``packed``: ``call`` takes packed sequences itself (``sequences=``, a ``SequenceOffsets``);
+    otherwise the dispatch runs them as a zero-padded batch.
     """
 
     name: str
@@ -66,6 +69,7 @@ class KernelBackend:
     failures: tuple[type[BaseException], ...]
     automatic_reason: Callable[..., str | None] = lambda q: None
     describe: Callable[..., str | None] = lambda *arguments: None
+    packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,17 +213,21 @@ def run_kernel(framework: Framework, backend: KernelBackend, inputs: dict, seque
     """``backend.call(**inputs, **options)``, or None after one warning if it raised one of the
     backend's ``failures`` (the caller then runs ``fallback``).
 
-    Packed input runs as a zero-padded batch of N rows, which is exact (``gdn2.packing``).
+    Packed input goes to a backend that takes it natively (``backend.packed``), else runs as a
+    zero-padded batch of N rows, which is exact (``gdn2.packing``).
     """
-    if sequences is not None:
+    padded = sequences is not None and not backend.packed
+    if padded:
         inputs = {name: split_sequences(framework.ops, x, sequences) for name, x in inputs.items()}
+    elif sequences is not None:
+        options = dict(options, sequences=sequences)
     try:
         o, final_state = backend.call(**inputs, **options)
     except backend.failures as error:
         reason = f"{backend.name} failed: {type(error).__name__}: {error}"
         announce(framework.name, PathChoice(fallback, reason, gave_way=True), stacklevel=5)
         return None
-    if sequences is not None:
+    if padded:
         o = join_sequences(framework.ops, o, sequences)
     return o, final_state
 

@@ -191,6 +191,43 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed):
         assert error <= 1e-4, (name, error, seed)
 
 
+@kernel_only
+def test_native_packed_sequences_across_chunks(interpreter, seed):
+    """Packed sequences run natively (no padded batch): sequences of several chunks, one of
+    exactly one chunk, one token, an empty one; every output and gradient, initial and final
+    states per sequence, against the spec on each sequence alone."""
+    from gdn2.testing import packed_case
+
+    case = packed_case(seed, [70, 1, 64, 150, 0, 33], H=2, K=16, V=8)
+    forget_announcements()
+    result = run_torch(case, "float32", 64, "kernel")
+    for name, value in result.items():
+        error = float(np.linalg.norm(value - case["expected"][name]) / max(np.linalg.norm(case["expected"][name]), 1e-30))
+        assert error <= 1e-4, (name, error, seed)
+
+
+def test_packed_input_reaches_the_kernels_unpadded(monkeypatch):
+    """The dispatch hands packed input to the Triton backend as it is (the kernels take the
+    offsets), not as a padded batch."""
+    from gdn2 import paths
+    from gdn2.spec import parse_cu_seqlens
+    from gdn2.torch.ops import TORCH
+
+    seen = {}
+
+    def call(**arguments):
+        seen.update(arguments)
+        return arguments["v"], None
+
+    backend = paths.KernelBackend(name="probe", unsupported_reason=lambda *a: None, call=call, failures=(),
+                                  packed=True)
+    x = torch.zeros(1, 9, 1, 4)
+    sequences = parse_cu_seqlens(np.array([0, 4, 9]), 1, 9)
+    paths.run_kernel(TORCH, backend, dict(q=x, k=x, v=x, g=x, b=x, w=x), sequences, "chunk", scale=1.0,
+                     initial_state=None, output_final_state=False)
+    assert seen["sequences"] is sequences and seen["q"].shape == (1, 9, 1, 4)
+
+
 def _compile_case(seed):
     case = make_case(1, 20, 1, 16, 16, seed, reference=False)
     (q, k, v, g, b, w), state = _inputs(case, torch.float32)
@@ -202,7 +239,14 @@ def test_kernel_operators_pass_opcheck(seed, interpreter):
     """The kernels are PyTorch custom operators: schema, autograd registration, fake (shape-only)
     implementation and AOT dispatch checked by ``torch.library.opcheck``."""
     *inputs, state = _compile_case(seed)
-    result = torch.library.opcheck(torch.ops.gdn2.triton_forward.default, (*inputs, state, 0.25))
+    result = torch.library.opcheck(torch.ops.gdn2.triton_forward.default, (*inputs, state, 0.25, None, None))
+    assert set(result.values()) == {"SUCCESS"}, result
+    # packed sequences: 20 tokens as sequences of 7 and 13, one state row each
+    from gdn2.spec import parse_cu_seqlens
+
+    tables = kernel._packed_tables(parse_cu_seqlens(np.array([0, 7, 20]), 1, 20), "cpu")
+    states = torch.randn(2, *state.shape[1:], requires_grad=True)
+    result = torch.library.opcheck(torch.ops.gdn2.triton_forward.default, (*inputs, states, 0.25, *tables))
     assert set(result.values()) == {"SUCCESS"}, result
 
 

@@ -171,6 +171,7 @@ def _triton_backend() -> KernelBackend:
         call=triton.triton_gdn2,
         failures=triton.KERNEL_FAILURES,
         automatic_reason=_off_cuda,
+        packed=True,
     )
 
 

@@ -26,6 +26,7 @@ import torch
 from triton.errors import TritonError
 
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
+from ...packing import SequenceOffsets
 from .forward import CHUNK, intra_forward, output, state_forward
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
@@ -81,50 +82,64 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
 SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 
 
-def _saved_shapes(B: int, T: int, H: int, K: int, V: int) -> list[tuple[int, ...]]:
-    """Shapes of the forward's saved buffers, in the order of ``SAVED`` (float32, padded chunks)."""
-    N = -(-T // CHUNK)
+def _saved_shapes(B: int, N: int, H: int, K: int, V: int) -> list[tuple[int, ...]]:
+    """Shapes of the forward's saved buffers for N chunks per batch row, in the order of ``SAVED``
+    (float32, padded chunks)."""
     rows = N * CHUNK
     return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, CHUNK, CHUNK)] * 2 + [
         (B, H, N, K, V), (B, H, rows, V)]
 
 
+def _chunks_and_rows(q, chunk_table, sequence_chunks) -> tuple[int, int]:
+    """Chunks per batch row and rows of the recurrent state: with packed sequences, the chunk
+    table's length and the number of sequences (the tokens are one batch row)."""
+    if chunk_table is None:
+        return -(-q.shape[1] // CHUNK), q.shape[0]
+    return chunk_table.shape[0], sequence_chunks.shape[0] - 1
+
+
 @torch.library.custom_op("gdn2::triton_forward", mutates_args=())
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
-    initial_state: torch.Tensor | None, scale: float,
+    initial_state: torch.Tensor | None, scale: float, chunk_table: torch.Tensor | None,
+    sequence_chunks: torch.Tensor | None,
 ) -> list[torch.Tensor]:
-    """``[o, final_state, *saved]``: the output, the final state and the buffers the backward reads."""
+    """``[o, final_state, *saved]``: the output, the final state and the buffers the backward reads.
+    Packed sequences: ``chunk_table`` ``[chunks, 2]`` int32 (first token, length) and
+    ``sequence_chunks`` ``[sequences + 1]`` int32 (each sequence's first chunk), or both None."""
     q, k, v, g, b, w = (x.contiguous() for x in (q, k, v, g, b, w))
     B, T, H, K = q.shape
     V = v.shape[-1]
+    N, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     precision = _dot_precision(q.device)
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
-        torch.empty(shape, dtype=torch.float32, device=q.device) for shape in _saved_shapes(B, T, H, K, V)
+        torch.empty(shape, dtype=torch.float32, device=q.device) for shape in _saved_shapes(B, N, H, K, V)
     )
-    first_bad = torch.empty(B, H, P.shape[2], V, dtype=torch.int32, device=q.device)
-    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision)
+    first_bad = torch.empty(B, H, N, V, dtype=torch.int32, device=q.device)
+    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision, chunk_table)
     initial = None if initial_state is None else initial_state.contiguous()
-    final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision)
+    final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device)
+    state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision, sequence_chunks)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    output(qd, P, states, U, first_bad, o, scale, precision)
+    output(qd, P, states, U, first_bad, o, scale, precision, chunk_table)
     return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 
 
 @_forward.register_fake
-def _forward_shapes(q, k, v, g, b, w, initial_state, scale):
+def _forward_shapes(q, k, v, g, b, w, initial_state, scale, chunk_table, sequence_chunks):
     B, T, H, K = q.shape
     V = v.shape[-1]
+    N, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     o = q.new_empty(B, T, H, V)
-    final_state = q.new_empty(B, H, K, V, dtype=torch.float32)
-    return [o, final_state] + [q.new_empty(shape, dtype=torch.float32) for shape in _saved_shapes(B, T, H, K, V)]
+    final_state = q.new_empty(rows, H, K, V, dtype=torch.float32)
+    return [o, final_state] + [q.new_empty(shape, dtype=torch.float32) for shape in _saved_shapes(B, N, H, K, V)]
 
 
 @torch.library.custom_op("gdn2::triton_backward", mutates_args=())
 def _backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
     saved: list[torch.Tensor], d_o: torch.Tensor, d_final: torch.Tensor | None, scale: float, has_initial: bool,
+    chunk_table: torch.Tensor | None, sequence_chunks: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv, dg, db, dw, d_initial]`` (d_initial empty without an initial state)."""
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = saved
@@ -138,32 +153,35 @@ def _backward(
     d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
     d_leaving = torch.empty_like(states)
     d_U = torch.empty_like(U)
-    d_initial = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if has_initial else q.new_empty(0)
+    _, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
+    d_initial = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device) if has_initial else q.new_empty(0)
     state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial if has_initial else None, scale,
-                   precision)
+                   precision, chunk_table, sequence_chunks)
     # Each buffer is dropped once its last reader ran, so that the gradients reuse its memory.
-    contractions = intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale, precision)
+    contractions = intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale, precision, chunk_table)
     del d_leaving
-    dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], scale, precision)
+    dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], scale, precision,
+                                             chunk_table)
     del d_U
-    dq, dk, dg, db = intra_backward_keys(q, k, g, b, *contractions, d_A, d_P, gamma, precision)
+    dq, dk, dg, db = intra_backward_keys(q, k, g, b, *contractions, d_A, d_P, gamma, precision, chunk_table)
     return [dq, dk, dv, dg, db, dw, d_initial]
 
 
 @_backward.register_fake
-def _backward_shapes(q, k, v, g, b, w, saved, d_o, d_final, scale, has_initial):
+def _backward_shapes(q, k, v, g, b, w, saved, d_o, d_final, scale, has_initial, chunk_table, sequence_chunks):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    d_initial = q.new_empty(B, H, K, V, dtype=torch.float32) if has_initial else q.new_empty(0)
+    _, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
+    d_initial = q.new_empty(rows, H, K, V, dtype=torch.float32) if has_initial else q.new_empty(0)
     return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, b, w)] + [d_initial]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, b, w, initial_state, scale = inputs
+    q, k, v, g, b, w, initial_state, scale, chunk_table, sequence_chunks = inputs
     # The saved buffers are outputs nobody differentiates: without this, autograd would fill a
     # zero gradient for each of them (their full size in memory and time).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, g, b, w, *output[2:])
+    ctx.save_for_backward(q, k, v, g, b, w, chunk_table, sequence_chunks, *output[2:])
     ctx.scale = scale
     ctx.has_initial = initial_state is not None
 
@@ -174,25 +192,41 @@ def _differentiate(ctx, grads):
 
         raise RuntimeError(FIRST_ORDER_ONLY.format(path='chunk_gdn2(path="kernel")'))
     d_o, d_final = grads[0], grads[1]
-    q, k, v, g, b, w, *saved = ctx.saved_tensors
+    q, k, v, g, b, w, chunk_table, sequence_chunks, *saved = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(v)
-    dq, dk, dv, dg, db, dw, d_initial = _backward(q, k, v, g, b, w, saved, d_o, d_final, ctx.scale, ctx.has_initial)
-    return dq, dk, dv, dg, db, dw, (d_initial if ctx.has_initial else None), None
+    dq, dk, dv, dg, db, dw, d_initial = _backward(q, k, v, g, b, w, saved, d_o, d_final, ctx.scale, ctx.has_initial,
+                                                  chunk_table, sequence_chunks)
+    return dq, dk, dv, dg, db, dw, (d_initial if ctx.has_initial else None), None, None, None
 
 
 _forward.register_autograd(_differentiate, setup_context=_setup_context)
 
 
-def triton_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bool):
+def triton_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bool,
+                sequences: SequenceOffsets | None = None):
     """GDN-2 through the Triton kernels.
 
     Args: q, k, g, b ``[B, T, H, K]`` and v, w ``[B, T, H, V]`` (float16, bfloat16 or float32, one
     dtype); ``scale`` resolved; ``initial_state`` ``[B, H, K, V]`` float32 or None (zeros, no
-    gradient).
+    gradient). ``sequences``: packed sequences along T (B is 1), run natively: every sequence
+    starts a chunk of its own, the state restarts there, and ``initial_state`` and the final state
+    have one row per sequence.
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] float32 or None)``;
     differentiable in q, k, v, g, b, w and initial_state, including through final_state.
     """
-    o, final_state, *_ = _forward(q, k, v, g, b, w, initial_state, float(scale))
+    chunk_table = sequence_chunks = None
+    if sequences is not None:
+        chunk_table, sequence_chunks = _packed_tables(sequences, q.device)
+    o, final_state, *_ = _forward(q, k, v, g, b, w, initial_state, float(scale), chunk_table, sequence_chunks)
     return o, (final_state if output_final_state else None)
+
+
+def _packed_tables(sequences: SequenceOffsets, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk table (first token, length per chunk) and each sequence's first chunk, int32."""
+    table = sequences.chunk_table(CHUNK)
+    ranges = sequences.chunk_layout(CHUNK).chunk_ranges
+    first_chunks = [first for first, _ in ranges] + [ranges[-1][1] if ranges else 0]
+    return (torch.as_tensor(table, dtype=torch.int32).reshape(-1, 2).to(device),
+            torch.tensor(first_chunks, dtype=torch.int32).to(device))

@@ -23,20 +23,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import CHUNK, STATE_WARPS, value_block
+from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, value_block
 
 
 @triton.jit
 def _state_backward_kernel(
     qd, kd, Wk, gamma, P, d_o,  # [B, H, N * 64, K] x3, [B, H, N, K], [B, H, N, 64, 64], [B, T, H, V]
     d_final, d_leaving, d_U, d_initial,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
-    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
-    HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr,
+    HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
+    chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
     i_b = i_bh // H
+    if PACKED:
+        i_b = i_b * 0  # packed tokens are one batch row
     i_h = i_bh % H
     rows = tl.arange(0, 64)
     cols_k = tl.arange(0, BK)
@@ -49,21 +52,22 @@ def _state_backward_kernel(
         d_state = tl.load(d_final + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         d_state = tl.zeros((BK, BV), dtype=tl.float32)
-    for step in range(N):
-        i_n = N - 1 - step
-        tl.store(d_leaving + (i_bh * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
-        t = i_n * 64 + rows
+    for step in range(chunk_end - chunk_first):
+        i_n = chunk_end - 1 - step
+        tl.store(d_leaving + (head * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
+        first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+        t = first + rows
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=(t < T)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
-        row0 = i_bh * N * 64 + i_n * 64
+        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+        row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-        P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
         qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
         Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
-        decay = tl.load(gamma + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
+        decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         d_state = (
             d_state * decay[:, None]
             + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
@@ -73,19 +77,22 @@ def _state_backward_kernel(
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
 
-def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str) -> None:
-    """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``)."""
+def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
+                   chunk_table=None, sequence_chunks=None) -> None:
+    """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``), one
+    program per state row (batch row, or sequence with packed sequences) and head."""
     B, T, H, V = d_o.shape
     N, K = d_leaving.shape[2], d_leaving.shape[3]
+    rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
-    BV = value_block(V, B * H)
-    _state_backward_kernel[(triton.cdiv(V, BV), B * H)](
+    BV = value_block(V, rows * H)
+    _state_backward_kernel[(triton.cdiv(V, BV), rows * H)](
         qd, kd, Wk, gamma, P, d_o,
         d_final if d_final is not None else d_leaving, d_leaving, d_U,
         d_initial if d_initial is not None else d_leaving,
-        scale, T, H, K, V, N, BK=BK, BV=BV,
+        _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        num_warps=STATE_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1,
     )
 
 
@@ -101,8 +108,8 @@ INTRA_BACKWARD_KEYS_BLOCK = 32
 def _intra_backward_contract_kernel(
     states, U, d_o, d_leaving, d_U, inverse,  # saved / from state_backward
     d_qd, d_kd, d_bkd, d_gamma,  # outputs: [B, H, N * C, K] x3, [B, H, N, K] float32
-    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+    chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The state-sized contractions for one block of key columns: the gradients of the decayed
     queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
@@ -113,8 +120,9 @@ def _intra_backward_contract_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     rows = tl.arange(0, C)
-    t = i_n * C + rows
-    row_ok = t < T
+    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    t = first + rows
+    row_ok = t < end
     cols_k = k0 + tl.arange(0, BKB)
     k_ok = cols_k < K
     state_base = (i_bh * N + i_n) * K * V
@@ -155,8 +163,8 @@ def _intra_backward_values_kernel(
     Wk, Uw, inverse, U, d_o, d_U, d_bkd,  # saved / from the earlier launches
     d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32, written here
     dv, dw,  # outputs, shapes and dtypes of v and w
-    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+    chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -164,8 +172,9 @@ def _intra_backward_values_kernel(
     i_h = i_bh % H
     rows = tl.arange(0, C)
     cols_c = tl.arange(0, C)
-    t = i_n * C + rows
-    row_ok = t < T
+    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    t = first + rows
+    row_ok = t < end
     chunk_base = (i_bh * N + i_n) * C * C
     chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
     inverse_tile = tl.load(inverse + chunk_matrix)
@@ -207,20 +216,21 @@ def _intra_backward_values_kernel(
 
 
 @triton.jit
-def _rows(x, first, T, HK, cols_k, k_ok, NEXT: tl.constexpr):
+def _rows(x, first, end, HK, cols_k, k_ok, NEXT: tl.constexpr):
     """Rows ``first .. first + 15`` of an input (``x`` at this batch element and head) as float32
     [16, BKB]; with ``NEXT`` each row's next row inside the sub-block (zero after its last row and
-    past T). Offsets inside a sequence are 32-bit; the base pointer carries the 64-bit part."""
+    past ``end``, the chunk's end). Offsets inside a sequence are 32-bit; the base pointer carries
+    the 64-bit part."""
     r = tl.arange(0, 16)
     t = first + r + NEXT
-    ok = (t < T) & (r + NEXT < 16)
+    ok = (t < end) & (r + NEXT < 16)
     return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _sub_block_decay(g, first, T, HK, cols_k, k_ok):
+def _sub_block_decay(g, first, end, HK, cols_k, k_ok):
     """``exp`` of the sum of a sub-block's log decays, [BKB]."""
-    return tl.exp(tl.sum(_rows(g, first, T, HK, cols_k, k_ok, 0), 0))
+    return tl.exp(tl.sum(_rows(g, first, end, HK, cols_k, k_ok, 0), 0))
 
 
 @triton.jit
@@ -230,8 +240,8 @@ def _intra_backward_keys_kernel(
     sub_block_sums,  # [B, H, N, 2, 4, K] float32, written here: per sub-block, the sums of d_G and of the k-to-end terms
     d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
-    T, H, K: tl.constexpr, N,
-    BKB: tl.constexpr, DOT: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N,
+    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -256,12 +266,12 @@ def _intra_backward_keys_kernel(
     k += sequence
     g += sequence
     b += sequence
-    chunk_first = i_n * 64
+    chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)  # tokens
     first = chunk_first + I * 16
     chunk_base = (i_bh * N + i_n) * 64 * 64
     d_A_scratch += chunk_base
     d_P_scratch += chunk_base
-    saved = i_bh * N * 64 * K + (first + r)[:, None] * K + cols_k[None, :]
+    saved = i_bh * N * 64 * K + (i_n * 64 + I * 16 + r)[:, None] * K + cols_k[None, :]  # padded rows
 
     # Live tiles are few on purpose (registers decide the occupancy): each accumulator starts
     # from its off-diagonal part and the row loop adds to it; the row-local inputs are read after.
@@ -271,15 +281,15 @@ def _intra_backward_keys_kernel(
     between = tl.full((BKB,), 1.0, tl.float32)
     for J_step in range(I):
         J = I - 1 - J_step
-        k_J = _rows(k, chunk_first + J * 16, T, HK, cols_k, k_ok, 0)
-        right_J = tl.exp(tl.cumsum(_rows(g, chunk_first + J * 16, T, HK, cols_k, k_ok, 1), 0, reverse=True))
+        k_J = _rows(k, chunk_first + J * 16, end, HK, cols_k, k_ok, 0)
+        right_J = tl.exp(tl.cumsum(_rows(g, chunk_first + J * 16, end, HK, cols_k, k_ok, 1), 0, reverse=True))
         k_right = k_J * right_J * between[None, :]
         tile = (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
         from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
         from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
-        between = between * _sub_block_decay(g, chunk_first + J * 16, T, HK, cols_k, k_ok)
+        between = between * _sub_block_decay(g, chunk_first + J * 16, end, HK, cols_k, k_ok)
     before = between  # the decay of every sub-block before I
-    left = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 0), 0))  # g_{16 I} + ... + g_i
+    left = tl.exp(tl.cumsum(_rows(g, first, end, HK, cols_k, k_ok, 0), 0))  # g_{16 I} + ... + g_i
     d_bk_A = left * from_earlier_A
     d_q_P = left * from_earlier_P
 
@@ -289,28 +299,28 @@ def _intra_backward_keys_kernel(
     between = tl.full((BKB,), 1.0, tl.float32)
     for I2 in range(I + 1, 4):
         first2 = chunk_first + I2 * 16
-        g2 = _rows(g, first2, T, HK, cols_k, k_ok, 0)
+        g2 = _rows(g, first2, end, HK, cols_k, k_ok, 0)
         left2 = tl.exp(tl.cumsum(g2, 0)) * between[None, :]
-        q2 = _rows(q, first2, T, HK, cols_k, k_ok, 0)
-        bk2 = _rows(b, first2, T, HK, cols_k, k_ok, 0) * _rows(k, first2, T, HK, cols_k, k_ok, 0)
+        q2 = _rows(q, first2, end, HK, cols_k, k_ok, 0)
+        bk2 = _rows(b, first2, end, HK, cols_k, k_ok, 0) * _rows(k, first2, end, HK, cols_k, k_ok, 0)
         tile_T = (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
         to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
         to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
         between = between * tl.exp(tl.sum(g2, 0))
     after = between
-    right = tl.exp(tl.cumsum(_rows(g, first, T, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
+    right = tl.exp(tl.cumsum(_rows(g, first, end, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
     d_k_pair = right * to_later
 
     # Pairs inside I, in two loops without sums across rows: one row i at a time for the keys'
     # side (``E[j] = exp(g_{j+1} + ... + g_i)``, the previous row's times ``exp(g_i)``), one column j
     # at a time, last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next
     # column's times ``exp(g_{j+1})``).
-    k_I = _rows(k, first, T, HK, cols_k, k_ok, 0)
+    k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
     E = tl.zeros((16, BKB), dtype=tl.float32)
     for i in range(16):
         t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
         row = t_i * HK + cols_k
-        row_ok = k_ok & (t_i < T)
+        row_ok = k_ok & (t_i < end)
         step_decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
         q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
         bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
@@ -323,11 +333,11 @@ def _intra_backward_keys_kernel(
     for step in range(16):
         j = 15 - step
         t_next = first + j + 1 + 0 * cols_k
-        next_ok = k_ok & (t_next < T) & (t_next < first + 16)
+        next_ok = k_ok & (t_next < end) & (t_next < first + 16)
         next_decay = tl.exp(tl.load(g + t_next * HK + cols_k, mask=next_ok, other=0.0).to(tl.float32))
         F = tl.where(r[:, None] > j, tl.where(r[:, None] == j + 1, 1.0, F) * next_decay[None, :], 0.0)
         t_j = first + j + 0 * cols_k
-        k_j = tl.load(k + t_j * HK + cols_k, mask=k_ok & (t_j < T), other=0.0).to(tl.float32)
+        k_j = tl.load(k + t_j * HK + cols_k, mask=k_ok & (t_j < end), other=0.0).to(tl.float32)
         entries = (I * 16 + r) * 64 + I * 16 + j  # column j of the diagonal block
         d_A_column = tl.where(r > j, tl.load(d_A_scratch + entries), 0.0)
         d_P_column = tl.where(r > j, tl.load(d_P_scratch + entries), 0.0)
@@ -335,8 +345,8 @@ def _intra_backward_keys_kernel(
         d_bk_A += d_A_column[:, None] * k_F
         d_q_P += d_P_column[:, None] * k_F
 
-    q_I = _rows(q, first, T, HK, cols_k, k_ok, 0)
-    b_I = _rows(b, first, T, HK, cols_k, k_ok, 0)
+    q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
+    b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
     bk_I = b_I * k_I
     decay = left * before[None, :]  # exp(G_i)
     decay_to_end = right * after[None, :]  # exp(g_{i+1} + ... + g_last)
@@ -363,7 +373,7 @@ def _intra_backward_keys_kernel(
 
     t = first + r
     out = t[:, None] * HK + cols_k[None, :]
-    mask = (t < T)[:, None] & k_ok[None, :]
+    mask = (t < end)[:, None] & k_ok[None, :]
     tl.store(dq + sequence + out, d_q.to(dq.dtype.element_ty), mask=mask)
     tl.store(dk + sequence + out, d_k.to(dk.dtype.element_ty), mask=mask)
     tl.store(db + sequence + out, (d_bk * k_I).to(db.dtype.element_ty), mask=mask)
@@ -373,7 +383,7 @@ def _intra_backward_keys_kernel(
 def _gate_gradient_kernel(
     partial, sub_block_sums, gamma, d_gamma,  # [B, H, N * 64, K], [B, H, N, 2, 4, K], [B, H, N, K] x2
     dg,  # output [B, T, H, K]
-    T, H, K: tl.constexpr, N, BKB: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N, BKB: tl.constexpr, PACKED: tl.constexpr,
 ):
     """dg of one chunk and key block: each sub-block's partial sums plus the d_G sums of the
     sub-blocks after it, the k-to-end sums of those before it, and gamma's term."""
@@ -384,6 +394,7 @@ def _gate_gradient_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     r = tl.arange(0, 16)
+    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     chunk = i_bh * N + i_n
     sums = sub_block_sums + chunk * 8 * K + cols_k
     gamma_term = tl.load(gamma + chunk * K + cols_k, mask=k_ok, other=0.0) * tl.load(
@@ -394,11 +405,12 @@ def _gate_gradient_kernel(
         before = tl.zeros((BKB,), dtype=tl.float32)
         for M in range(I):
             before += tl.load(sums + (4 + M) * K, mask=k_ok, other=0.0)
-        rows = i_n * 64 + I * 16 + r
-        part = tl.load(partial + i_bh * N * 64 * K + rows[:, None] * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
+        padded = i_n * 64 + I * 16 + r
+        part = tl.load(partial + i_bh * N * 64 * K + padded[:, None] * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
         value = part + (after + before + gamma_term)[None, :]
-        out = i_b * T * H * K + rows[:, None] * (H * K) + i_h * K + cols_k[None, :]
-        tl.store(dg + out, value.to(dg.dtype.element_ty), mask=(rows < T)[:, None] & k_ok[None, :])
+        t = first + I * 16 + r
+        out = i_b * T * H * K + t[:, None] * (H * K) + i_h * K + cols_k[None, :]
+        tl.store(dg + out, value.to(dg.dtype.element_ty), mask=(t < end)[:, None] & k_ok[None, :])
         after += tl.load(sums + I * K, mask=k_ok, other=0.0)
 
 
@@ -410,7 +422,7 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
             min(INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))))
 
 
-def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: float, dot_precision: str):
+def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: float, dot_precision: str, chunk_table=None):
     """Launch the state-sized contractions; returns ``(d_qd, d_kd, d_bkd, d_gamma)`` float32
     (``[B, H, N * 64, K]`` three times and ``[B, H, N, K]``)."""
     B, H, N, K, V = states.shape
@@ -419,13 +431,15 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     d_qd, d_kd, d_bkd = (states.new_empty(B, H, N * CHUNK, K) for _ in range(3))
     d_gamma = states.new_empty(B, H, N, K)
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
-        states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, scale, T, H, K, V, N,
-        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
+        T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
 
-def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: float, dot_precision: str):
+def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: float, dot_precision: str,
+                          chunk_table=None):
     """Launch the value side; returns ``(dv, dw, d_A, d_P)`` (d_A, d_P ``[B, H, N, 64, 64]``)."""
     B, T, H, V = v.shape
     N, K = inverse.shape[2], Wk.shape[-1]
@@ -433,13 +447,14 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     dv, dw = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (v, w))  # contiguous
     d_A, d_P = inverse.new_empty(inverse.shape), inverse.new_empty(inverse.shape)
     _intra_backward_values_kernel[(N, B * H)](
-        v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, scale, T, H, K, V, N,
-        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
+        BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return dv, dw, d_A, d_P
 
 
-def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma, dot_precision: str):
+def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma, dot_precision: str, chunk_table=None):
     """Launch the key side (one program per 16-row sub-block, head and key block), then dg's
     chunk sums; returns ``(dq, dk, dg, db)``. ``d_qd`` is overwritten."""
     B, T, H, K = q.shape
@@ -448,10 +463,11 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     dq, dk, dg, db = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, g, b))  # contiguous
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
-        q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, T, H, K, N,
-        BKB=BKB, DOT=dot_precision, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
+        q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
-        d_qd, sub_block_sums, gamma, d_gamma, dg, T, H, K, N, BKB=BKB, num_warps=4, num_stages=1,
+        d_qd, sub_block_sums, gamma, d_gamma, dg, _table(chunk_table, q), T, H, K, N, BKB=BKB,
+        PACKED=chunk_table is not None, num_warps=4, num_stages=1,
     )
     return dq, dk, dg, db

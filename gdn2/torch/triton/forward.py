@@ -55,6 +55,36 @@ STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have
 
 
 @triton.jit
+def _chunk_span(chunk_table, i_n, T, PACKED: tl.constexpr):
+    """First token and end (exclusive) of chunk ``i_n``: from the chunk table with packed
+    sequences (every sequence starts a chunk; ``[chunks, 2]`` int32 (first token, length)), else
+    ``64 i_n`` and T."""
+    if PACKED:
+        first = tl.load(chunk_table + 2 * i_n)
+        end = first + tl.load(chunk_table + 2 * i_n + 1)
+    else:
+        first = i_n * 64
+        end = T
+    return first, end
+
+
+@triton.jit
+def _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED: tl.constexpr):
+    """For a sequential pass: the chunks ``[first, end)`` of program ``i_bh`` (a sequence and
+    head with packed sequences, ``[sequences + 1]`` int32 chunk offsets; else a batch row and
+    head, all N chunks) and its row of the head-major chunk buffers."""
+    if PACKED:
+        first = tl.load(sequence_chunks + i_bh // H)
+        end = tl.load(sequence_chunks + i_bh // H + 1)
+        row = i_bh % H  # the packed batch is one row
+    else:
+        first = 0
+        end = N
+        row = i_bh
+    return first, end, row
+
+
+@triton.jit
 def _finite(x):
     """x with every non-finite value replaced by 0 (a bad value must not reach earlier rows
     through a product with a masked-out zero; its own rows are set to NaN explicitly)."""
@@ -128,7 +158,7 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
 def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
-    T, H, K: tl.constexpr, N, BK: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program, one row i at a time: ``E[j] = exp(g_{j+1} + ... + g_i)`` for every
@@ -145,14 +175,15 @@ def _diagonal_kernel(
     cols = tl.arange(0, BK)
     col_ok = cols < K
     HK = H * K
-    first = i_n * 64 + I * 16  # the sub-block's first token
+    chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    first = chunk_first + I * 16  # the sub-block's first token
     rows = i_b * T * HK + i_h * K + (first + r)[:, None] * HK + cols[None, :]
-    k_tile = _load_finite(k + rows, (first + r < T)[:, None] & col_ok[None, :])
+    k_tile = _load_finite(k + rows, (first + r < end)[:, None] & col_ok[None, :])
     E = tl.zeros((16, BK), dtype=tl.float32)
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     for i in range(16):
         row = i_b * T * HK + i_h * K + (first + i) * HK + cols
-        row_ok = col_ok & (first + i + 0 * cols < T)  # a vector: the interpreter needs one
+        row_ok = col_ok & (first + i + 0 * cols < end)  # a vector: the interpreter needs one
         decay = tl.exp(_load_decay(g + row, row_ok))
         q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
         bk_i = _load_finite(b + row, row_ok) * _load_finite(k + row, row_ok)
@@ -172,15 +203,15 @@ def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
 def _intra_forward_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, X_out,  # [B, H, N, 64, 64] float32
-    T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
     r = tl.arange(0, 16)
-    t0 = i_n * 64
+    t0, end = _chunk_span(chunk_table, i_n, T, PACKED)
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
 
@@ -202,10 +233,10 @@ def _intra_forward_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok)
+        q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok)
+        q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -213,7 +244,7 @@ def _intra_forward_kernel(
         right0 = right0 * decay1[None, :]
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok)
+        q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
@@ -224,7 +255,7 @@ def _intra_forward_kernel(
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok)
+        q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -289,8 +320,8 @@ def _wy_kernel(
     Uw_out,  # [B, H, N * 64, V]
     gamma_out,  # [B, H, N, K] float32
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
-    T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """One chunk's decayed queries and keys, gamma, and the WY products ``Wk = X (b k exp(G))``
     and ``Uw = X (w v)`` as whole-chunk [64, 64] x [64, block] products. ``G`` (the log decay
@@ -302,9 +333,10 @@ def _wy_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     rows = tl.arange(0, 64)
-    t = i_n * 64 + rows
-    row_ok = t < T
-    next_ok = (t + 1 < T) & (rows < 63)
+    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    t = first + rows
+    row_ok = t < end
+    next_ok = (t + 1 < end) & (rows < 63)
     X_tile = tl.load(X + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
     # 64-bit bases, 32-bit offsets inside a sequence and a chunk
     sequence = i_b * T * H * K + i_h * K
@@ -362,26 +394,31 @@ def _wy_kernel(
         tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
 
 
-def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str) -> None:
+def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X, then the decays and
     WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
     ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
-    the first row with a non-finite input; 64 when there is none)."""
+    the first row with a non-finite input; 64 when there is none). With packed sequences,
+    ``chunk_table`` (``[chunks, 2]`` int32: first token, length) lists the chunks, B is 1 and N
+    the table's length."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = P.shape[2]
+    table, packed = _table(chunk_table, P), chunk_table is not None
     _diagonal_kernel[(N * 4, B * H)](
-        q, k, g, b, P, X, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), num_warps=DIAGONAL_WARPS, num_stages=1,
+        q, k, g, b, P, X, table, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), PACKED=packed,
+        num_warps=DIAGONAL_WARPS, num_stages=1,
     )
     BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _intra_forward_kernel[(N, B * H)](
-        q, k, g, b, P, X, T, H, K, N, BK=BK, DOT=dot_precision, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        q, k, g, b, P, X, table, T, H, K, N, BK=BK, DOT=dot_precision, PACKED=packed,
+        num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
-        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, first_bad, T, H, K, V, N,
+        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-        DOT=dot_precision, num_warps=WY_WARPS, num_stages=1,
+        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
     )
 
 
@@ -389,12 +426,13 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
 def _state_forward_kernel(
     Wk, kd, Uw, gamma, first_bad,  # [B, H, N * 64, K | K | V], [B, H, N, K], [B, H, N, V] int32
     initial_state, states, U_out, final_state,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
-    K: tl.constexpr, V: tl.constexpr, N,
+    sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
+    chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
     rows = tl.arange(0, 64)
     cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
@@ -406,14 +444,14 @@ def _state_forward_kernel(
         state = tl.load(initial_state + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         state = tl.zeros((BK, BV), dtype=tl.float32)
-    for i_n in range(N):
-        tl.store(states + (i_bh * N + i_n) * K * V + state_offsets, state.to(states.dtype.element_ty), mask=state_mask)
-        row0 = i_bh * N * 64 + i_n * 64
+    for i_n in range(chunk_first, chunk_end):
+        tl.store(states + (head * N + i_n) * K * V + state_offsets, state.to(states.dtype.element_ty), mask=state_mask)
+        row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
         Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
         kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-        decay = tl.load(gamma + (i_bh * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
+        decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
         U -= tl.dot(Wk_tile, state.to(Wk_tile.dtype), input_precision=DOT)
         U = U.to(U_out.dtype.element_ty)
@@ -421,7 +459,7 @@ def _state_forward_kernel(
         state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U, input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
-        poisoned = tl.load(first_bad + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
+        poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
         state = tl.where(poisoned[None, :], float("nan"), state)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
@@ -436,26 +474,29 @@ def value_block(V: int, programs_per_block: int) -> int:
     return block
 
 
-def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str) -> None:
-    """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``)."""
+def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
+                  sequence_chunks=None) -> None:
+    """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``), one
+    program per state row (batch row, or sequence with ``sequence_chunks``) and head."""
     B, H, N, K, V = states.shape
+    rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
-    BV = value_block(V, B * H)
-    _state_forward_kernel[(triton.cdiv(V, BV), B * H)](
+    BV = value_block(V, rows * H)
+    _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
         states, U, final_state if final_state is not None else states,
-        K, V, N, BK=BK, BV=BV,
+        _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        num_warps=STATE_WARPS, num_stages=1,
+        PACKED=sequence_chunks is not None, num_warps=STATE_WARPS, num_stages=1,
     )
 
 
 @triton.jit
 def _output_kernel(
     qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
-    scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+    chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -480,18 +521,24 @@ def _output_kernel(
     # reference path; the rows before it are the clean run's.
     poisoned_from = tl.load(first_bad + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=64)
     out = tl.where(rows[:, None] >= poisoned_from[None, :], float("nan"), out)
-    t = i_n * 64 + rows
+    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    t = first + rows
     offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-    tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < T)[:, None] & v_ok[None, :])
+    tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < end)[:, None] & v_ok[None, :])
 
 
-def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str) -> None:
+def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chunk_table=None) -> None:
     """Launch the output kernel (writes ``o`` ``[B, T, H, V]``)."""
     B, T, H, V = o.shape
     N, K = states.shape[2], states.shape[3]
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
-        qd, P, states, U, first_bad, o, scale, T, H, K, V, N,
-        BK=BK, BV=BV, DOT=dot_precision, num_warps=OUTPUT_WARPS, num_stages=1,
+        qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
+        BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=OUTPUT_WARPS, num_stages=1,
     )
+
+
+def _table(table, anything):
+    """A chunk or sequence table, or any tensor in its place (the kernels then do not read it)."""
+    return anything if table is None else table
