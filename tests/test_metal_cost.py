@@ -30,8 +30,6 @@ def test_docstring_estimates_are_the_models():
     assert f"{scan.backward_bytes(*big, 64) / 2**30:.1f} GiB at B=8 T=4096 H=16 K=V=256" in scan.__doc__
 
 
-@pytest.mark.xfail(strict=True, reason="chunked.py's docstring still quotes the scan's estimate with the per-step "
-                                       "replay scratch (211 ms); the scan now counts 107 ms")
 def test_the_chunked_docstring_quotes_the_scans_estimate():
     scan_costs = cost.scan_cost(*SHAPE)
     assert f"(the scan: {ms(scan_costs[:1])[:-3]} ms and {ms(scan_costs)}" in chunked.__doc__

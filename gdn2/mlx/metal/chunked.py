@@ -23,7 +23,7 @@ tiles assumed to run at half of the fp32 peak):
     BACKWARD                       141.8    7424    10.5      27.7 kB             ~45
 
     ESTIMATED: forward 10.2 ms, forward+backward 39.3 ms at B=8 T=4096 H=16 K=V=128 bf16
-    (the scan: 16.5 ms and 211 ms); K=V=256: 35.7 ms and 140 ms.
+    (the scan: 16.5 ms and 107 ms); K=V=256: 35.7 ms and 140 ms.
 
 Registers: FORWARD and STATE_BACKWARD hold the simdgroup's 8 columns of the state as ceil(K / 8)
 tiles (2 floats per lane each) plus 2 * C / 8 accumulator tiles; the others hold a few tiles.
