@@ -24,10 +24,12 @@ from gdn2.xp import numpy_ops
 from tests.launchers import ROOT, fresh_seed, mlx_launch, torchrun
 
 WORKER = str(ROOT / "tests" / "context_parallel_worker.py")
-# float32 against float32: measured up to 7e-7 for the operator and 3.1e-6 for the layer's dA_log
-# gradient (one number per head summed over every token and rank, in another order than one
-# process sums it); the controls below are off by 1e-2 and more.
+# float32 against float32: measured up to 7e-7 for the operator, its outputs and the layer's y and
+# dx. The layer's parameter gradients are sums over every token and rank, in another order than
+# one process sums them, with cancellation: dA_log (one number per head) reached 3.1e-6 and, in a
+# later run, 1.5e-5. The controls below are off by 1e-2 and more.
 TOLERANCE = 1e-5
+SUMMED_TOLERANCE = 1e-4  # the layer's parameter gradients
 CONTROL = 1e-2  # a segment run without what the earlier ranks send is this far off at least
 
 
@@ -42,8 +44,10 @@ def check_reports(out, sizes: dict[int, int], seed: int) -> None:
                 where = f"seed {seed}, {size} processes, rank {rank}, {case}"
                 checked = {name: error for name, error in errors.items() if not name.startswith("alone")}
                 assert len(checked) >= 7, f"{where}: too few results {sorted(errors)}"
-                worst = max(checked, key=checked.get)
-                assert checked[worst] <= TOLERANCE, f"{where}: {worst} relative error {checked[worst]:.2e}"
+                for name, error in checked.items():
+                    summed = case.startswith("layer") and name not in ("y", "dx")
+                    allowed = SUMMED_TOLERANCE if summed else TOLERANCE
+                    assert error <= allowed, f"{where}: {name} relative error {error:.2e} (allowed {allowed:.0e})"
                 for name, error in errors.items():
                     if name.startswith("alone") and rank > 0:
                         assert error >= CONTROL, f"{where}: the control {name} is only {error:.1e} off"
