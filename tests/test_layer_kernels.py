@@ -359,6 +359,23 @@ def test_layer_with_kernels_matches_the_plain_layer(mixer, seed):
     compare_layer(layer, x, TIGHT)
 
 
+@pytest.mark.parametrize("mixer", ["grouped", "no_conv"])
+def test_layer_kernels_refuse_second_order_clearly(mixer, seed):
+    """create_graph=True through the fused glue raises, naming the kernel and the plain code as
+    the way to higher-order gradients (the layer's operator runs the chunk path here, which has
+    them); first-order gradients still work."""
+    layer = random_layer(MIXERS[mixer], seed)
+    layer.use_kernels = True
+    x = torch.randn(1, 9, MIXERS[mixer]["hidden_size"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"GatedDeltaNet2's fused .* kernel: higher-order gradients .*use_kernels=False"):
+        torch.autograd.grad(layer(x).square().sum(), [x], create_graph=True)
+    (first,) = torch.autograd.grad(layer(x).square().sum(), [x])
+    assert torch.isfinite(first).all() and first.abs().max() > 0
+    layer.use_kernels = False  # the plain glue differentiates twice
+    (grad,) = torch.autograd.grad(layer(x).square().sum(), [x], create_graph=True)
+    assert grad.requires_grad
+
+
 def test_layer_with_kernels_and_padding_or_packed_sequences(seed):
     layer = random_layer(MIXERS["grouped"], seed)
     generator = torch.Generator().manual_seed(seed)

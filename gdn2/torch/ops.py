@@ -7,7 +7,7 @@ Validation, path choice and fallback are ``gdn2.paths``.
 
 Higher-order gradients: the reference and chunk paths give exact ones (the chunk path's backward
 is written in differentiable torch ops and, when a graph of it is recorded, recomputes the chunk
-states from the inputs); the kernel path raises (``FIRST_ORDER_ONLY``). ``torch.func`` transforms
+states from the inputs); the kernel path raises (``gdn2.torch.triton.refuse_higher_order``). ``torch.func`` transforms
 (``grad``, ``vjp``, ``jacrev``, ``vmap``) run the chunk path; forward-mode ones (``jvp``,
 ``jacfwd``, ``hessian``) need ``path="reference"``.
 """
@@ -25,11 +25,6 @@ from .xp import torch_ops
 
 __all__ = ["chunk_gdn2", "recurrent_gdn2", "which_path"]
 
-
-FIRST_ORDER_ONLY = (
-    "{path}: higher-order gradients (a graph of the backward, create_graph=True) are not supported "
-    "on this path; use path=\"reference\" (or path=\"chunk\") for them"
-)
 
 
 class ChunkGDN2(torch.autograd.Function):

@@ -186,11 +186,19 @@ def _setup_context(ctx, inputs, output):
     ctx.has_initial = initial_state is not None
 
 
-def _differentiate(ctx, grads):
-    if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients would be constants to autograd
-        from ..ops import FIRST_ORDER_ONLY
+LAYER_INSTEAD = "use GatedDeltaNet2(use_kernels=False) or GDN2_LAYER_KERNELS=0 for them"
 
-        raise RuntimeError(FIRST_ORDER_ONLY.format(path='chunk_gdn2(path="kernel")'))
+
+def refuse_higher_order(what: str, instead: str) -> None:
+    """Raise in a kernel's backward when that backward is itself being differentiated
+    (``create_graph=True``): the kernels' gradients would be constants to autograd."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what}: higher-order gradients (a graph of the backward, create_graph=True) are not "
+                           f"supported on this path; {instead}")
+
+
+def _differentiate(ctx, grads):
+    refuse_higher_order('chunk_gdn2(path="kernel")', 'use path="reference" (or path="chunk") for them')
     d_o, d_final = grads[0], grads[1]
     q, k, v, g, b, w, chunk_table, sequence_chunks, *saved = ctx.saved_tensors
     if d_o is None:

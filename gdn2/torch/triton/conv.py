@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAYER_INSTEAD, refuse_higher_order
+
 # Launch settings: tiles of about 1024 elements (steps x channels). The backward keeps several
 # shifted tiles live; at 8 warps it compiles for sm_90a without spills (149 registers for a q/k
 # head of 128 channels, ``python bench/layer.py --resources``), at 4 warps or larger tiles it spills.
@@ -347,6 +349,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _differentiate(ctx, dy):
+    refuse_higher_order("GatedDeltaNet2's fused short convolution kernel", LAYER_INSTEAD)
     x, weight, bias, state, positions, mask = ctx.saved_tensors
     dx, d_weight, d_bias, d_state = _backward(x, weight, bias, state, positions, mask, dy, ctx.head_dim, ctx.eps)
     return (dx, d_weight, None if bias is None else d_bias, None if state is None else d_state,

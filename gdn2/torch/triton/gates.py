@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAYER_INSTEAD, refuse_higher_order
+
 # Tiles of 1024 elements at 4 warps: 40-64 registers on sm_90a, no spills.
 WARPS = 4
 ROW_BLOCK = 8
@@ -131,6 +133,7 @@ def _decay_setup_context(ctx, inputs, output):
 
 
 def _decay_differentiate(ctx, dg):
+    refuse_higher_order("GatedDeltaNet2's fused decay gate kernel", LAYER_INSTEAD)
     return tuple(_decay_backward(*ctx.saved_tensors, dg))
 
 
@@ -224,6 +227,7 @@ def _sigmoid_setup_context(ctx, inputs, output):
 
 
 def _sigmoid_differentiate(ctx, dy):
+    refuse_higher_order("GatedDeltaNet2's fused sigmoid gate kernel", LAYER_INSTEAD)
     (x,) = ctx.saved_tensors
     return _sigmoid_backward(x, dy, ctx.scale), None
 

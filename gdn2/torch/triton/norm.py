@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAYER_INSTEAD, refuse_higher_order
+
 WARPS = 4
 TILE_ELEMENTS = 1024  # rows per block: this many elements per tile (64-90 registers on sm_90a, no spills)
 BACKWARD_PROGRAMS = 1024
@@ -108,6 +110,7 @@ def _l2_setup_context(ctx, inputs, output):
 
 
 def _l2_differentiate(ctx, dy):
+    refuse_higher_order("GatedDeltaNet2's fused L2 normalisation kernel", LAYER_INSTEAD)
     (x,) = ctx.saved_tensors
     return _l2_backward(x, dy, ctx.head_dim, ctx.silu, ctx.eps), None, None, None, None
 
@@ -222,6 +225,7 @@ def _gated_rms_setup_context(ctx, inputs, output):
 
 
 def _gated_rms_differentiate(ctx, dy):
+    refuse_higher_order("GatedDeltaNet2's fused gated RMSNorm kernel", LAYER_INSTEAD)
     x, gate, weight = ctx.saved_tensors
     dx, d_gate, d_weight = _gated_rms_backward(x, gate, weight, dy, ctx.eps)
     return dx, d_gate, d_weight, None, None
