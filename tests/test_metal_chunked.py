@@ -12,7 +12,7 @@ mx = pytest.importorskip("mlx.core")
 
 from gdn2 import spec  # noqa: E402
 from gdn2.mlx import metal  # noqa: E402
-from gdn2.mlx.metal import chunked  # noqa: E402
+from gdn2.mlx.metal import chunked, dispatch  # noqa: E402
 from gdn2.mlx.metal import chunked_source as source  # noqa: E402
 from tests.metal_harness import harness  # noqa: E402
 from tests.metal_harness.cases import BARRIER, NAMES, TOLERANCE, check_all, make_case  # noqa: E402
@@ -28,7 +28,7 @@ def run_chunked(case, geometry, launcher=harness.harness_launcher):
     d_final = mx.array(case["d_final"].astype(np.float32))
 
     def loss(*inputs):
-        o, final = chunked.chunked_gdn2(*inputs[:6], case["K"] ** -0.5, inputs[6])
+        o, final = dispatch.family_gdn2("chunked", *inputs[:6], case["K"] ** -0.5, inputs[6])
         return (o.astype(mx.float32) * d_o).sum() + (final * d_final).sum(), (o, final)
 
     with metal.use_launcher(launcher), chunked.use_chunk_geometry(geometry):

@@ -14,7 +14,7 @@ mx = pytest.importorskip("mlx.core")
 
 from gdn2 import spec  # noqa: E402
 from gdn2.mlx import metal  # noqa: E402
-from gdn2.mlx.metal import scan  # noqa: E402
+from gdn2.mlx.metal import dispatch, scan  # noqa: E402
 from gdn2.mlx.metal import scan_source as source  # noqa: E402
 from tests.metal_harness import harness  # noqa: E402
 from tests.metal_harness.cases import BARRIER, NAMES, TOLERANCE, check_all, make_case  # noqa: E402
@@ -29,7 +29,7 @@ def run_scan(case, interval, geometry, launcher=harness.harness_launcher):
     d_final = mx.array(case["d_final"].astype(np.float32))
 
     def loss(*inputs):
-        o, final = scan.scan_gdn2(*inputs[:6], case["K"] ** -0.5, inputs[6], interval)
+        o, final = dispatch.family_gdn2("scan", *inputs[:6], case["K"] ** -0.5, inputs[6], interval)
         return (o.astype(mx.float32) * d_o).sum() + (final * d_final).sum(), (o, final)
 
     saved = dict(scan._geometry_override)

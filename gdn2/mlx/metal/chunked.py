@@ -1,4 +1,5 @@
-"""Chunked (WY) GDN-2 on Metal: launchers and the differentiable entry ``chunked_gdn2``.
+"""Chunked (WY) GDN-2 on Metal: launchers and the two passes (``dispatch.py`` makes them one
+differentiable function).
 
 The kernels (``chunked_source.py``) follow ``gdn2/algorithm.py`` with chunks of ``C = 32`` steps
 and 8x8 ``simdgroup_matrix`` tiles:
@@ -62,7 +63,7 @@ from .chunked_source import (
     STATE_BACKWARD_SOURCE,
 )
 
-__all__ = ["ChunkGeometry", "chunked_gdn2", "threadgroup_bytes", "training_bytes", "KERNELS"]
+__all__ = ["ChunkGeometry", "threadgroup_bytes", "training_bytes", "KERNELS"]
 
 SIMD_WIDTH = 32
 THREADGROUP_MEMORY_LIMIT = 32 * 1024
@@ -259,39 +260,3 @@ def backward(q, k, v, g, b, w, state0, d_o, d_final, scale: float, geometry: Chu
     d_q, d_k, d_g, d_b = run(
         backward_launch(q, k, g, b, d_o, states, d_states, new_values, z, v.shape[-1], scale, geometry))
     return d_q, d_k, d_v, d_g, d_b, d_w, d_state0
-
-
-@lru_cache(maxsize=None)
-def _chunked_function(scale: float, geometry: ChunkGeometry):
-    """One ``mx.custom_function`` per (scale, geometry): (o, final_state) of the 7 arrays."""
-
-    @mx.custom_function
-    def gdn2_chunked(q, k, v, g, b, w, state0):
-        o, final_state, _, _ = forward(q, k, v, g, b, w, state0, scale, geometry, save=False)
-        return o, final_state
-
-    @gdn2_chunked.vjp
-    def gdn2_chunked_vjp(primals, cotangents, outputs):
-        q, k, v, g, b, w, state0 = primals
-        d_o, d_final = cotangents
-        d_o = mx.zeros(v.shape, dtype=q.dtype) if d_o is None else d_o  # read in its own dtype
-        d_final = mx.zeros(state0.shape, dtype=mx.float32) if d_final is None else d_final.astype(mx.float32)
-        *grads, d_state0 = backward(q, k, v, g, b, w, state0, d_o, d_final, scale, geometry)
-        grads = [grad.astype(x.dtype) for grad, x in zip(grads, primals)]
-        return (*grads, d_state0.astype(state0.dtype))
-
-    return gdn2_chunked
-
-
-def chunked_gdn2(q, k, v, g, b, w, scale: float, initial_state=None):
-    """GDN-2 on the chunked Metal kernels: ``(o [B, T, H, V] in q's dtype, final_state float32)``.
-
-    q, k, g, b ``[B, T, H, K]``; v, w ``[B, T, H, V]`` (float32, float16 or bfloat16, K, V <= 256);
-    ``initial_state`` float32 ``[B, H, K, V]`` or None (zeros). Differentiable in every input and
-    in ``initial_state`` (``mx.custom_function``).
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    geometry = geometry_for(K, _geometry_override[0])
-    state0 = mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)
-    return _chunked_function(float(scale), geometry)(q, k, v, g, b, w, state0)

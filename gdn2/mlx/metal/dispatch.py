@@ -173,7 +173,19 @@ def run(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bo
     failure = probe(kernel_plan, q.dtype, K, V, checkpoint_interval)
     if failure is not None:
         raise RuntimeError(f"Metal kernel failed to compile or launch: {failure}")
-    state0 = mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)
     function = _function(float(scale), int(checkpoint_interval), kernel_plan.forward, kernel_plan.backward)
-    o, final_state = function(q, k, v, g, b, w, state0)
+    o, final_state = function(q, k, v, g, b, w, _initial_state(q, v, initial_state))
     return o, (final_state if output_final_state else None)
+
+
+def family_gdn2(kind: str, q, k, v, g, b, w, scale: float, initial_state=None, interval: int = 64):
+    """GDN-2 on one kernel family (``scan`` or ``chunked``) for both passes, without the plan or
+    the probe (the tests and benches that compare the families): ``(o, final_state float32)``,
+    differentiable in every input and in ``initial_state``."""
+    return _function(float(scale), int(interval), kind, kind)(q, k, v, g, b, w, _initial_state(q, v, initial_state))
+
+
+def _initial_state(q, v, initial_state):
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    return mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)

@@ -1,4 +1,5 @@
-"""The per-value-column scan on Metal (``scan_source.py``): launchers, ``scan_gdn2`` and its memory.
+"""The per-value-column scan on Metal (``scan_source.py``): launchers, its two passes and its memory
+(``dispatch.py`` makes them one differentiable function).
 
 The scan runs one threadgroup per (batch * head, value tile) forward: T sequential steps, one
 simdgroup per state column, two ``simd_sum`` per column and step. It is the decode kernel (T == 1)
@@ -60,7 +61,7 @@ from .scan_source import (
     FORWARD_SOURCE,
 )
 
-__all__ = ["ScanGeometry", "scan_gdn2", "backward_bytes", "forward_threadgroup_bytes", "backward_threadgroup_bytes"]
+__all__ = ["ScanGeometry", "backward_bytes", "forward_threadgroup_bytes", "backward_threadgroup_bytes"]
 
 SIMD_WIDTH = 32
 _THREADGROUP_FLOATS = 7168  # 28 kB of the 32 kB of threadgroup memory
@@ -221,35 +222,3 @@ def backward(q, k, v, g, b, w, state0, d_o, d_final, scale: float, interval: int
     *grads, _, _, _ = run(backward_launch(q, k, v, g, b, w, d_o, d_final, checkpoints, scale, interval,
                                           geometry=_geometry_override.get("backward")))
     return tuple(grads)
-
-
-@lru_cache(maxsize=None)
-def _scan_function(scale: float, interval: int):
-    """One ``mx.custom_function`` per (scale, checkpoint interval): (o, final_state) of 7 arrays."""
-
-    @mx.custom_function
-    def gdn2_scan(q, k, v, g, b, w, state0):
-        o, final_state, _ = run(forward_launch(q, k, v, g, b, w, state0, scale, interval, save=False,
-                                               geometry=_geometry_override.get("forward")))
-        return o, final_state
-
-    @gdn2_scan.vjp
-    def gdn2_scan_vjp(primals, cotangents, outputs):
-        q, k, v, g, b, w, state0 = primals
-        d_o, d_final = cotangents
-        d_o = mx.zeros(v.shape, dtype=q.dtype) if d_o is None else d_o
-        d_final = mx.zeros(state0.shape, dtype=mx.float32) if d_final is None else d_final.astype(mx.float32)
-        *grads, d_state0 = backward(q, k, v, g, b, w, state0, d_o, d_final, scale, interval)
-        grads = [grad.astype(x.dtype) for grad, x in zip(grads, primals)]
-        return (*grads, d_state0.astype(state0.dtype))
-
-    return gdn2_scan
-
-
-def scan_gdn2(q, k, v, g, b, w, scale: float, initial_state=None, interval: int = 64):
-    """GDN-2 on the scan kernels: ``(o [B, T, H, V] in q's dtype, final_state float32)``;
-    differentiable in every input and ``initial_state`` (checkpoints every ``interval`` steps)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    state0 = mx.zeros((B, H, K, V), dtype=mx.float32) if initial_state is None else initial_state.astype(mx.float32)
-    return _scan_function(float(scale), int(interval))(q, k, v, g, b, w, state0)
