@@ -416,6 +416,23 @@ def left_context(gathered, rank: int):
     return None if rank == 0 else gathered[rank - 1]
 
 
+def conv_context(layer, x, attention_mask, cache, rank: int, gather_tails):
+    """``(x, (q, k, v) convolution states)`` for ``layer`` on this rank's segment ``x``: the q, k
+    and v projections of the previous rank's last ``conv_size - 1`` inputs (None on rank 0).
+    ``gather_tails(tails, x)`` is the framework's differentiable all-gather, returning
+    ``(gathered, x)``; use the returned ``x`` from here on: the gradient of the sent rows flows
+    back to the rank they came from through it."""
+    if attention_mask is not None or cache is not None:
+        raise ValueError("context_parallel: attention_mask and cache are not supported; pass neither")
+    if not layer.use_short_conv:
+        return x, (None, None, None)
+    gathered, x = gather_tails(conv_tail(x, layer.conv_size), x)
+    left = left_context(gathered, rank)
+    if left is None:
+        return x, (None, None, None)
+    return x, (layer.q_proj(left), layer.k_proj(left), layer.v_proj(left))
+
+
 
 # ---------------------------------------------------------------------------------------------
 # One call, for either framework

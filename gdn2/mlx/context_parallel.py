@@ -135,16 +135,8 @@ class ContextParallel:
         return cp_algorithm.make_segment(self.comm, B, T, cu_seqlens, hidden_states)
 
     def conv_context(self, layer, x: mx.array, attention_mask=None, cache=None):
-        """``(x, (q, k, v) convolution states)``: see ``gdn2.torch.context_parallel.ContextParallel``."""
-        if attention_mask is not None or cache is not None:
-            raise ValueError("context_parallel: attention_mask and cache are not supported; pass neither")
-        if not layer.use_short_conv:
-            return x, (None, None, None)
-        gathered, x = _gather_tails_function(self.comm)(cp_algorithm.conv_tail(x, layer.conv_size), x)
-        left = cp_algorithm.left_context(gathered, self.rank)
-        if left is None:
-            return x, (None, None, None)
-        return x, (layer.q_proj(left), layer.k_proj(left), layer.v_proj(left))
+        """``(x, (q, k, v) convolution states)``: see ``gdn2.context_parallel.conv_context``."""
+        return cp_algorithm.conv_context(layer, x, attention_mask, cache, self.rank, _gather_tails_function(self.comm))
 
 
 def context_parallel_gdn2(

@@ -145,20 +145,9 @@ class ContextParallel:
         return cp_algorithm.make_segment(self.comm, B, T, cu_seqlens, hidden_states)
 
     def conv_context(self, layer, x: torch.Tensor, attention_mask=None, cache=None):
-        """``(x, (q, k, v) convolution states)`` for ``layer`` on this rank's segment ``x``: the
-        q, k and v projections of the previous rank's last ``conv_size - 1`` inputs (None on
-        rank 0). Use the returned ``x`` from here on: the gradient of those rows flows back to the
-        rank they came from through it."""
-        if attention_mask is not None or cache is not None:
-            raise ValueError("context_parallel: attention_mask and cache are not supported; pass neither")
-        if not layer.use_short_conv:
-            return x, (None, None, None)
-        width = layer.conv_size
-        gathered, x = _GatherTails.apply(cp_algorithm.conv_tail(x, width), x, self.comm)
-        left = cp_algorithm.left_context(gathered, self.rank)
-        if left is None:
-            return x, (None, None, None)
-        return x, (layer.q_proj(left), layer.k_proj(left), layer.v_proj(left))
+        """``(x, (q, k, v) convolution states)``: see ``gdn2.context_parallel.conv_context``."""
+        return cp_algorithm.conv_context(layer, x, attention_mask, cache, self.rank,
+                                         lambda tails, x: _GatherTails.apply(tails, x, self.comm))
 
 
 def context_parallel_gdn2(
