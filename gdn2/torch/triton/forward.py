@@ -135,8 +135,8 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
 
-    Returns q, k, b * k and g ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix
-    ``R`` and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
+    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
+    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
     """
     r = tl.arange(0, 16)
     t = t0 + I * 16 + r
@@ -151,7 +151,7 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     L = tl.cumsum(g_tile, 0)
     R = tl.cumsum(g_next, 0, reverse=True)
     total = tl.sum(g_tile, 0)
-    return q_tile, k_tile, bk, g_tile, L, R, total
+    return q_tile, k_tile, bk, L, R, total
 
 
 @triton.jit
@@ -233,10 +233,10 @@ def _intra_forward_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        q0, k0_, bk0, g0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
+        q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, g1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
+        q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -244,7 +244,7 @@ def _intra_forward_kernel(
         right0 = right0 * decay1[None, :]
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, g2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
+        q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
@@ -255,7 +255,7 @@ def _intra_forward_kernel(
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, g3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
+        q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
