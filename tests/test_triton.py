@@ -23,7 +23,9 @@ kernel_only = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
 @pytest.fixture
-def interpreter(monkeypatch):
+def interpreter(monkeypatch, fresh_path_log):
+    """The Triton interpreter, and the once-only path log emptied: with ``kernel_only``, a kernel
+    that gives way to the chunk path fails the test even if the same fallback was warned before."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("GDN2_PATH", raising=False)
     yield
@@ -179,11 +181,10 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
 
 @kernel_only
 def test_packed_sequences_on_the_kernel_path(interpreter, seed):
-    """cu_seqlens through the Triton kernels (as a zero-padded batch): equal to separate runs."""
+    """cu_seqlens through the Triton kernels (natively, one chunk table): equal to separate runs."""
     from gdn2.testing import packed_case, random_lengths
 
     case = packed_case(seed, random_lengths(seed, 4), H=1, K=16, V=8)
-    forget_announcements()  # so that a fallback would warn (and fail) even if it happened before
     assert which_path(*(torch.zeros(1, 1, 1, 16) for _ in range(6)), path="kernel").path == "kernel"
     result = run_torch(case, "float32", 64, "kernel")
     for name, value in result.items():
@@ -199,7 +200,6 @@ def test_native_packed_sequences_across_chunks(interpreter, seed):
     from gdn2.testing import packed_case
 
     case = packed_case(seed, [70, 1, 64, 150, 0, 33], H=2, K=16, V=8)
-    forget_announcements()
     result = run_torch(case, "float32", 64, "kernel")
     for name, value in result.items():
         error = float(np.linalg.norm(value - case["expected"][name]) / max(np.linalg.norm(case["expected"][name]), 1e-30))
