@@ -20,6 +20,7 @@ interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -226,13 +227,15 @@ def triton_gdn2(q, k, v, g, b, w, *, scale: float, initial_state, output_final_s
     """
     chunk_table = sequence_chunks = None
     if sequences is not None:
-        chunk_table, sequence_chunks = _packed_tables(sequences, q.device)
+        chunk_table, sequence_chunks = _packed_tables(sequences, q.device)  # built once per offsets and device
     o, final_state, *_ = _forward(q, k, v, g, b, w, initial_state, float(scale), chunk_table, sequence_chunks)
     return o, (final_state if output_final_state else None)
 
 
+@functools.lru_cache(maxsize=64)
 def _packed_tables(sequences: SequenceOffsets, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk table (first token, length per chunk) and each sequence's first chunk, int32."""
+    """The chunk table (first token, length per chunk) and each sequence's first chunk, int32 on
+    ``device``; kept, so that the layers of a model share one copy per step (read-only)."""
     table = sequences.chunk_table(CHUNK)
     ranges = sequences.chunk_layout(CHUNK).chunk_ranges
     first_chunks = [first for first, _ in ranges] + [ranges[-1][1] if ranges else 0]
