@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import gdn2.torch.triton as operator
 from gdn2.torch.triton import backward, forward
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -89,6 +90,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     """Each kernel with the pointer dtypes and constants its launcher uses for (K, V), for packed
     sequences (``packed``) or a batch."""
     f32 = "fp32"
+    saved_states = "bf16" if inp == "bf16" and "states" in operator.SAVED_IN_BFLOAT16 else f32
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
@@ -111,15 +113,15 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     )
     out["state_forward"] = (
         fk._state_forward_kernel,
-        dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=f32, U_out=f32,
+        dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=saved_states, U_out=f32,
              final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
-                 PACKED=packed),
+                 PACKED=packed, STAGES=fk.STATE_STAGES),
         fk.STATE_WARPS,
     )
     out["output"] = (
         fk._output_kernel,
-        dict(qd=f32, P=f32, states=f32, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
+        dict(qd=f32, P=f32, states=saved_states, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
         dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
@@ -137,7 +139,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
                   PACKED=packed)
     out["intra_backward_contract"] = (
         bw._intra_backward_contract_kernel,
-        dict(states=f32, U=f32, d_o=inp, d_leaving=f32, d_U=f32, inverse=f32, d_qd=f32, d_kd=f32, d_bkd=f32,
+        dict(states=saved_states, U=f32, d_o=inp, d_leaving=f32, d_U=f32, inverse=f32, d_qd=f32, d_kd=f32, d_bkd=f32,
              d_gamma=f32, chunk_table="i32"),
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )

@@ -34,6 +34,7 @@ import torch
 
 from gdn2.spec import reference_backward, reference_forward, random_inputs, relative_error
 from gdn2.torch import chunk_gdn2, which_path
+import gdn2.torch.triton as triton_operator
 from gdn2.torch.triton import backward as triton_backward
 from gdn2.torch.triton import forward as triton_forward
 
@@ -77,7 +78,7 @@ def set_launch(settings: dict) -> dict:
     """Set launch constants of the kernel modules; returns the previous values."""
     previous = {}
     for name, value in settings.items():
-        module = triton_forward if hasattr(triton_forward, name) else triton_backward
+        module = next(m for m in (triton_forward, triton_backward, triton_operator) if hasattr(m, name))
         previous[name] = getattr(module, name)
         setattr(module, name, value)
     return previous

@@ -15,7 +15,8 @@ PyTorch custom operators (with their autograd) built from these launches:
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The
 16x16 products that build the inverse of ``I + A`` are always exact float32. Under the Triton
-interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32.
+interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
+inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (the chunk states) are kept in bfloat16.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from triton.errors import TritonError
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from ...packing import SequenceOffsets
 from .forward import CHUNK, intra_forward, output, state_forward
+from .interpreter import correct_bfloat16_dot
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
 # or registers (OutOfResources), ptxas (PTXASError) and the interpreter (InterpreterError); a CUDA
@@ -81,11 +83,23 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
 # ``gdn2::triton_backward``) with their autograd and fake (shape-only) implementations registered,
 # so that torch.compile sees two opaque operators instead of breaking its graph at each launch.
 SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
+# Saved buffers kept in bfloat16 when the inputs are bfloat16 (half the bytes written and read);
+# the others stay float32. Measured against the float64 spec on bfloat16 inputs (docs/triton.md):
+# the chunk states cost nothing visible in the errors, while U, Wk and Uw in bfloat16 raised the
+# worst gradient error from 3.8e-3 to 6.4e-3. float16 inputs keep every buffer in float32 (a state
+# entry may pass float16's 65504).
+SAVED_IN_BFLOAT16 = ("states",)
+
+
+def _saved_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtype of each saved buffer (order of ``SAVED``) for inputs of ``dtype``."""
+    return [torch.bfloat16 if dtype == torch.bfloat16 and name in SAVED_IN_BFLOAT16 else torch.float32
+            for name in SAVED]
 
 
 def _saved_shapes(B: int, N: int, H: int, K: int, V: int) -> list[tuple[int, ...]]:
     """Shapes of the forward's saved buffers for N chunks per batch row, in the order of ``SAVED``
-    (float32, padded chunks)."""
+    (padded chunks)."""
     rows = N * CHUNK
     return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, CHUNK, CHUNK)] * 2 + [
         (B, H, N, K, V), (B, H, rows, V)]
@@ -113,8 +127,11 @@ def _forward(
     V = v.shape[-1]
     N, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     precision = _dot_precision(q.device)
+    if q.device.type == "cpu":
+        correct_bfloat16_dot()
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
-        torch.empty(shape, dtype=torch.float32, device=q.device) for shape in _saved_shapes(B, N, H, K, V)
+        torch.empty(shape, dtype=dtype, device=q.device)
+        for shape, dtype in zip(_saved_shapes(B, N, H, K, V), _saved_dtypes(q.dtype))
     )
     first_bad = torch.empty(B, H, N, V, dtype=torch.int32, device=q.device)
     intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision, chunk_table)
@@ -133,7 +150,8 @@ def _forward_shapes(q, k, v, g, b, w, initial_state, scale, chunk_table, sequenc
     N, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     o = q.new_empty(B, T, H, V)
     final_state = q.new_empty(rows, H, K, V, dtype=torch.float32)
-    return [o, final_state] + [q.new_empty(shape, dtype=torch.float32) for shape in _saved_shapes(B, N, H, K, V)]
+    return [o, final_state] + [
+        q.new_empty(shape, dtype=dtype) for shape, dtype in zip(_saved_shapes(B, N, H, K, V), _saved_dtypes(q.dtype))]
 
 
 @torch.library.custom_op("gdn2::triton_backward", mutates_args=())
@@ -150,10 +168,12 @@ def _backward(
     B, T, H, K = q.shape
     V = v.shape[-1]
     precision = _dot_precision(q.device)
+    if q.device.type == "cpu":
+        correct_bfloat16_dot()
     d_o = d_o.contiguous()
     d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
-    d_leaving = torch.empty_like(states)
-    d_U = torch.empty_like(U)
+    d_leaving = torch.empty(states.shape, dtype=torch.float32, device=q.device)
+    d_U = torch.empty(U.shape, dtype=torch.float32, device=q.device)
     _, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     d_initial = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device) if has_initial else q.new_empty(0)
     state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial if has_initial else None, scale,

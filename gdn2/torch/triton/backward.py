@@ -61,12 +61,12 @@ def _state_backward_kernel(
         d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
-        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
-        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
+        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         d_state = (
             d_state * decay[:, None]
@@ -136,10 +136,10 @@ def _intra_backward_contract_kernel(
         v_ok = cols_v < V
         state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
         state_mask = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
+        S = tl.load(states + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
         dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
@@ -187,9 +187,9 @@ def _intra_backward_values_kernel(
         cols_v = v0 + tl.arange(0, BV)
         v_ok = cols_v < V
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
-        Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0)
+        Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         value_mask = row_ok[:, None] & v_ok[None, :]
         d_out = tl.load(d_o + value_offsets, mask=value_mask, other=0.0).to(tl.float32) * scale
@@ -207,7 +207,7 @@ def _intra_backward_values_kernel(
         padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
         k_ok = (rows >= 0)[:, None] & (cols_k < K)[None, :]
         d_bk_decayed = tl.load(d_bkd + padded_k, mask=k_ok, other=0.0)
-        Wk_tile = tl.load(Wk + padded_k, mask=k_ok, other=0.0)
+        Wk_tile = tl.load(Wk + padded_k, mask=k_ok, other=0.0).to(tl.float32)
         d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
     d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)  # with its diagonal (read apart)
@@ -428,8 +428,8 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     B, H, N, K, V = states.shape
     T = d_o.shape[1]
     BKB, BV = _blocks(K, V)
-    d_qd, d_kd, d_bkd = (states.new_empty(B, H, N * CHUNK, K) for _ in range(3))
-    d_gamma = states.new_empty(B, H, N, K)
+    d_qd, d_kd, d_bkd = (states.new_empty(B, H, N * CHUNK, K, dtype=torch.float32) for _ in range(3))
+    d_gamma = states.new_empty(B, H, N, K, dtype=torch.float32)
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,

@@ -50,6 +50,7 @@ WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
 STATE_WARPS = 4
+STATE_STAGES = 1  # loads of the sequential passes issued this many chunks ahead (1: none)
 OUTPUT_WARPS = 4
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
@@ -429,6 +430,7 @@ def _state_forward_kernel(
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -444,7 +446,9 @@ def _state_forward_kernel(
         state = tl.load(initial_state + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         state = tl.zeros((BK, BV), dtype=tl.float32)
-    for i_n in range(chunk_first, chunk_end):
+    # The next chunks' Wk, kd and Uw do not depend on the state: with STAGES > 1 their loads are
+    # issued ahead, while this chunk's products run.
+    for i_n in tl.range(chunk_first, chunk_end, num_stages=STAGES):
         tl.store(states + (head * N + i_n) * K * V + state_offsets, state.to(states.dtype.element_ty), mask=state_mask)
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
@@ -456,7 +460,7 @@ def _state_forward_kernel(
         U -= tl.dot(Wk_tile, state.to(Wk_tile.dtype), input_precision=DOT)
         U = U.to(U_out.dtype.element_ty)
         tl.store(U_out + values, U, mask=v_ok[None, :])
-        state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U, input_precision=DOT)
+        state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(kd_tile.dtype), input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
         poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
@@ -488,7 +492,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         states, U, final_state if final_state is not None else states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        PACKED=sequence_chunks is not None, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=sequence_chunks is not None, STAGES=STATE_STAGES, num_warps=STATE_WARPS, num_stages=1,
     )
 
 
