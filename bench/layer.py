@@ -5,6 +5,7 @@ training step with each.
     python bench/layer.py --device cpu --small           # tiny shapes: checks that everything runs
     python bench/layer.py --resources                    # glue kernels' sm_90a registers and spills, no GPU
     python bench/layer.py --device cuda --check          # fused glue = plain glue on the GPU, every gradient
+    python bench/layer.py --saved                        # what the layer saves for its backward (CPU), by tensor
 
 Layer rows (the layer's parameters and input in ``--dtype``): ``fla`` (``fla.layers.gdn2.GatedDeltaNet2``,
 when flash-linear-attention is installed; our layer loads its ``state_dict``), ``gdn2`` (the
@@ -363,6 +364,60 @@ def _check_glue(args, device: Device) -> list[dict]:
     return rows
 
 
+def saved_tensors(args) -> list[dict]:
+    """Every tensor the layer keeps for its backward (``torch.autograd.graph.saved_tensors_hooks``),
+    counted once per storage (the channel slices of the projections' output are one tensor), the
+    parameters and the input left out. Runs on the CPU (the fused glue under the Triton
+    interpreter) at the hidden size and heads of the bench with ``--saved-tokens`` tokens in one
+    row and scales each tensor that grows with the tokens to the bench's B x T. Rows: the fused
+    and the plain glue, each with the operator replaced by a no-op (the glue alone) and with the
+    operator (its kernel path; the buffers it keeps are its own and are counted apart)."""
+    import traceback
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dtype = getattr(torch, args.dtype)
+    T = args.saved_tokens
+    scale = args.B * args.T / T
+    config = dict(hidden_size=args.hidden, head_dim=args.head_dim, num_heads=args.heads)
+    rows = []
+    for glue, use_kernels in (("fused", True), ("plain", False)):
+        for operator in ("no-op", "kernel"):
+            torch.manual_seed(args.seed)
+            layer = GatedDeltaNet2(**config, use_kernels=use_kernels, path="kernel").to(dtype)
+            x = torch.randn(1, T, args.hidden, dtype=dtype, requires_grad=True)
+            leaves = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+            seen = {}
+
+            def pack(t):
+                key = t.untyped_storage().data_ptr()
+                if key not in seen and key not in leaves:
+                    frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[:-1]
+                              if "gdn2" in f.filename or "bench" in f.filename]
+                    per_token = any(n in (T, T + layer.conv_size - 1) for n in t.shape)
+                    seen[key] = dict(shape=list(t.shape), dtype=str(t.dtype).rsplit(".", 1)[-1], per_token=per_token,
+                                     mib=t.untyped_storage().nbytes() * (scale if per_token else 1) / 2**20,
+                                     where=" < ".join(reversed(frames[-3:])))
+                return t
+
+            replaced = operator_replaced(False) if operator == "no-op" else None
+            if replaced:
+                replaced.__enter__()
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    layer(x)
+            finally:
+                if replaced:
+                    replaced.__exit__(None, None, None)
+            tensors = list(seen.values())
+            rows.append(dict(glue=glue, operator=operator, tensors=tensors, total_mib=sum(t["mib"] for t in tensors)))
+            print(f"{glue} glue, operator {operator}: tensors saved for the backward at B*T = {args.B * args.T}, "
+                  f"hidden {args.hidden} ({T} tokens measured, scaled)", flush=True)
+            for t in tensors:
+                print(f"  {str(t['shape']):24s} {t['dtype']:9s} {t['mib']:8.1f} MiB  {t['where']}", flush=True)
+            print(f"  total {rows[-1]['total_mib']:.1f} MiB", flush=True)
+    return rows
+
+
 def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
     """Each glue kernel with the pointer dtypes and constants its launcher uses in the layer
     (``inp``: the projections' dtype; training: no bias, no state, no padding, no packing)."""
@@ -377,9 +432,13 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
         shape = dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, NORMALIZE=normalize)
         out[f"conv forward {label}"] = (conv._conv_forward_kernel, dict(conv_pointers, y=f32), dict(eps=f32),
                                         dict(shape, **none), conv.FORWARD_WARPS)
+        once = dict(shape, BT=conv.once_step_block(channels))
         for flags, name in ((none, ""), (every, " +all options")):
             out[f"conv backward {label}{name}"] = (conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
                                                    dict(shape, WB=4, BS=4, **flags), conv.BACKWARD_WARPS)
+            out[f"conv backward once {label}{name}"] = (conv._conv_backward_once_kernel,
+                                                        dict(backward_pointers, scratch=f32), dict(eps=f32),
+                                                        dict(once, WB=4, BS=4, **flags), conv.ONCE_BACKWARD_WARPS)
     rows, block = norm._row_block(head_dim)
     out["l2 forward"] = (norm._l2_forward_kernel, dict(x=inp, y=f32), dict(eps=f32),
                          dict(K=head_dim, BR=rows, BK=block, SILU=True), norm.WARPS)
@@ -441,6 +500,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", type=Path, default=OUT / "layer.json")
     parser.add_argument("--check", action="store_true",
                         help="compare the fused glue with the plain glue on the device (every gradient); no timing")
+    parser.add_argument("--saved", action="store_true",
+                        help="list the tensors the layer saves for its backward (CPU, Triton interpreter), scaled to B x T")
+    parser.add_argument("--saved-tokens", type=int, default=64, help="tokens measured with --saved (default 64)")
     parser.add_argument("--resources", action="store_true",
                         help="compile the glue kernels for sm_90a and print registers, spills, shared memory; no timing")
     args = parser.parse_args(argv)
@@ -454,6 +516,8 @@ def main(argv=None) -> list[dict]:
     if args.resources:
         print_resources(args)
         return []
+    if args.saved:
+        return saved_tensors(args)
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device: {name} requested but this torch has no usable CUDA device")

@@ -115,32 +115,56 @@ def compare_conv(case, head_dim, dtype, tolerance):
         close(f"d{name}", g, e, tolerance)
 
 
+@pytest.fixture(params=["once", "recompute"])
+def backward_form(request, monkeypatch):
+    """Each form of the convolution's backward (conv.BACKWARD_FORM)."""
+    monkeypatch.setattr(conv, "BACKWARD_FORM", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", CONV_SHAPES)
-def test_short_convolution_matches_the_plain_code(shape, dtype, seed):
+def test_short_convolution_matches_the_plain_code(shape, dtype, seed, backward_form):
     dims = CONV_SHAPES[shape]
     case = conv_case(dims, seed, bias=True, state=True, mask=False)
     compare_conv(case, dims[4], *DTYPES[dtype])
 
 
 @pytest.mark.parametrize("head_dim", [None, 8])
-def test_short_convolution_without_bias_or_state_with_padding(head_dim, seed):
+def test_short_convolution_without_bias_or_state_with_padding(head_dim, seed, backward_form):
     case = conv_case((3, 23, 16, 4, head_dim), seed, bias=False, state=False, mask=True)
     compare_conv(case, head_dim, torch.float32, TIGHT)
 
 
 @pytest.mark.parametrize("head_dim", [None, 8])
-def test_short_convolution_restarts_at_packed_sequences(head_dim, seed):
+def test_short_convolution_restarts_at_packed_sequences(head_dim, seed, backward_form):
     lengths = [1, 5, 2, 30, 3]  # a sequence of one token, and one across the block boundary
     case = conv_case((1, sum(lengths), 16, 4, head_dim), seed, bias=True, state=False, mask=False, packed=lengths)
     compare_conv(case, head_dim, torch.float32, TIGHT)
 
 
-def test_short_convolution_backward_walks_several_blocks_per_program(monkeypatch, seed):
-    """One backward program per channel block and row: it sums the weight gradient over all blocks."""
+def test_short_convolution_backward_walks_several_blocks_per_program(monkeypatch, seed, backward_form):
+    """One backward program per channel block and row: it sums the weight gradient over all blocks
+    (and, computing each step's gradient once, passes the steps after each block on to the next)."""
     monkeypatch.setattr(conv, "BACKWARD_PROGRAMS", 1)
+    monkeypatch.setattr(conv, "ONCE_BACKWARD_PROGRAMS", 1)
+    monkeypatch.setattr(conv, "ONCE_TILE_ELEMENTS", 64)  # blocks of 4 steps for a 12-channel head
     case = conv_case((2, 100, 24, 4, 12), seed, bias=True, state=True, mask=True)
     compare_conv(case, 12, torch.float32, TIGHT)
+    case = conv_case((2, 37, 24, 3, None), seed, bias=True, state=True, mask=False)  # blocks of 2 steps, 2 taps back
+    compare_conv(case, None, torch.float32, TIGHT)
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_short_convolution_backward_spans_with_packed_sequences(monkeypatch, seed, programs):
+    """The once-per-step backward over spans of several small blocks: sequences that start inside
+    a block, at a block's first step and across spans."""
+    monkeypatch.setattr(conv, "BACKWARD_FORM", "once")
+    monkeypatch.setattr(conv, "ONCE_BACKWARD_PROGRAMS", programs)
+    monkeypatch.setattr(conv, "ONCE_TILE_ELEMENTS", 64)
+    lengths = [1, 5, 2, 30, 3, 4, 8, 11]
+    case = conv_case((1, sum(lengths), 16, 4, 8), seed, bias=True, state=False, mask=True, packed=lengths)
+    compare_conv(case, 8, torch.float32, TIGHT)
 
 
 @pytest.mark.parametrize("B, T", [(3, 17), (2, 1), (1, 9)])
@@ -304,6 +328,12 @@ def test_sigmoid_gate_matches_the_plain_code(scale, dtype, seed):
     assert fused.dtype == torch.float32
     close("y", fused, expected, TIGHT)
     close("dx", gradients(fused, [x], d_y)[0], gradients(expected, [x_ref], d_y)[0], tolerance)
+    stored = gates.sigmoid_gate(x, scale, out_dtype=torch_dtype)  # the gate stored in the inputs' dtype
+    assert stored.dtype == torch_dtype
+    close("y stored", stored, expected.to(torch_dtype), tolerance)
+    x_ref = leaf(x.detach().float())
+    expected = torch.sigmoid(x_ref) * scale
+    close("dx stored", gradients(stored, [x], d_y.to(torch_dtype))[0], gradients(expected, [x_ref], d_y)[0], tolerance)
 
 
 def test_gates_reject_bad_arguments():
@@ -506,6 +536,7 @@ def operator_cases():
     rms = (randn(2, 3, 2, 8), randn(2, 3, 16, dtype=torch.bfloat16), randn(8), 1e-5)
     decay = (randn(2, 3, 12, dtype=torch.bfloat16), randn(3), randn(12))
     sigmoid = (randn(2, 3, 19, grad=False)[..., 5:12].requires_grad_(True), 2.0)
+    sigmoid_bf16 = (randn(3, 10, dtype=torch.bfloat16), 1.0)
 
     def no_grad(arguments):
         return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in arguments)
@@ -525,7 +556,8 @@ def operator_cases():
         ("rms-backward", ops.gated_rms_norm_backward, no_grad(rms[:3]) + (d_y(rms[0]), rms[3])),
         ("decay", ops.decay_gate_forward, decay),
         ("decay-backward", ops.decay_gate_backward, no_grad(decay) + (d_y(decay[0]),)),
-        ("sigmoid", ops.sigmoid_gate_forward, sigmoid),
+        ("sigmoid", ops.sigmoid_gate_forward, sigmoid + (torch.float32,)),
+        ("sigmoid-bf16", ops.sigmoid_gate_forward, sigmoid_bf16 + (torch.bfloat16,)),
         ("sigmoid-backward", ops.sigmoid_gate_backward, (sigmoid[0].detach(), d_y(sigmoid[0]), sigmoid[1])),
     ]
 

@@ -114,6 +114,16 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+# The dtype in which the fused glue hands q, k, v, b, w to the operator (g is always float32: the
+# operator's cumulative sums of it need the precision). "float32": always. "projections": the
+# projections' dtype (the autocast dtype, else the input's), as flash-linear-attention's layer
+# does; the operator reads them into float32, and its output, the tensors it saves for the
+# backward and its gradients of them are then that dtype too (bf16: half the bytes). Needs an
+# operator that takes a float32 g beside half-precision q, k, v, b, w (gdn2.spec.validate asks
+# for one dtype today, so the default is "float32").
+OPERATOR_INPUT_DTYPE = "float32"
+
+
 class GatedDeltaNet2(nn.Module):
     """Gated DeltaNet-2 token mixer: ``[B, T, hidden_size] -> [B, T, hidden_size]``.
 
@@ -263,8 +273,8 @@ class GatedDeltaNet2(nn.Module):
             q, k, g, b = (t.repeat_interleave(self.groups, dim=2) for t in (q, k, g, b))
         if mask is not None:
             # A padding step with k = 0 and g = 0 leaves the state exactly as it was.
-            step = mask[:, :, None, None].to(torch.float32)
-            k, g = k * step, g * step
+            step = mask[:, :, None, None]
+            k, g = k * step.to(k.dtype), g * step.to(g.dtype)
 
         state = None if cache is None else cache.recurrent_state
         if cache is not None and T == 1 and state is not None:
@@ -352,16 +362,16 @@ class GatedDeltaNet2(nn.Module):
         return q, k, v, g, b, w, conv_states
 
     def _fused_inputs(self, x, mask, conv_states, positions, keep_conv_states: bool):
-        """As ``_plain_inputs``, through the fused Triton kernels: each result is written once,
-        float32, in the operator's layout (no transposes, casts or copies around it). Also
-        returns ``g_proj[0](x)``, computed here with the other projections."""
+        """As ``_plain_inputs``, through the fused Triton kernels: each result is written once, in
+        the operator's layout (no transposes, casts or copies around it); g in float32, q, k, v,
+        b, w in ``OPERATOR_INPUT_DTYPE``'s choice. Also returns ``g_proj[0](x)``, computed here
+        with the other projections."""
         from .triton.conv import short_convolution
         from .triton.gates import decay_gate, sigmoid_gate
         from .triton.norm import l2_normalize as l2_normalize_kernel
 
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
-        f32 = torch.float32
         # The seven projections of x as one matrix product: x cast once under autocast (not once
         # per projection), one product for its gradient (no sum of seven), larger products. Each
         # projection is a channel slice of the result; the kernels read the slices in place.
@@ -369,9 +379,11 @@ class GatedDeltaNet2(nn.Module):
         device = x.device.type
         low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         weight = torch.cat([p.weight if low is None else p.weight.to(low) for p in projections])
+        projected = F.linear(x, weight)
         q_in, k_in, v_in, b_in, w_in, f_low, gate_low = torch.split(
-            F.linear(x, weight), [p.out_features for p in projections], dim=-1
+            projected, [p.out_features for p in projections], dim=-1
         )
+        store = torch.float32 if OPERATOR_INPUT_DTYPE == "float32" else projected.dtype
         if self.use_short_conv:
             where = None if positions is None else torch.as_tensor(positions, dtype=torch.int32, device=x.device)[None]
             convolved, new_states = [], []
@@ -381,19 +393,19 @@ class GatedDeltaNet2(nn.Module):
                 (self.v_conv1d, v_in, conv_states[2], None),
             ):
                 convolved.append(short_convolution(
-                    inputs, conv.weight, conv.bias, state, where, mask, head_dim=head_dim, out_dtype=f32,
+                    inputs, conv.weight, conv.bias, state, where, mask, head_dim=head_dim, out_dtype=store,
                 ))
                 if keep_conv_states:
                     new_states.append(_conv_tail(inputs, state, mask, self.conv_size))
             q, k, v = convolved
             conv_states = tuple(new_states) if keep_conv_states else conv_states
         else:
-            q = l2_normalize_kernel(q_in, K, silu=True, out_dtype=f32)
-            k = l2_normalize_kernel(k_in, K, silu=True, out_dtype=f32)
-            v = F.silu(v_in).float()
+            q = l2_normalize_kernel(q_in, K, silu=True, out_dtype=store)
+            k = l2_normalize_kernel(k_in, K, silu=True, out_dtype=store)
+            v = F.silu(v_in.to(store))
         g = decay_gate(self.f_proj[1](f_low), self.A_log, self.dt_bias)
-        b = sigmoid_gate(b_in, 2.0 if self.allow_neg_eigval else 1.0)
-        w = sigmoid_gate(w_in)
+        b = sigmoid_gate(b_in, 2.0 if self.allow_neg_eigval else 1.0, out_dtype=store)
+        w = sigmoid_gate(w_in, out_dtype=store)
         q, k, g, b = (t.view(B, T, H, K) for t in (q, k, g, b))
         return q, k, v.view(B, T, HV, V), g, b, w.view(B, T, HV, V), conv_states, gate_low
 

@@ -1,12 +1,12 @@
-"""Triton kernels of the layer's gates, each a PyTorch custom operator with float32 results (the
-operator's cumulative sums of ``g`` need them) and its fake (shape-only) and autograd
+"""Triton kernels of the layer's gates, each a PyTorch custom operator (the decay's result float32:
+the operator's cumulative sums of ``g`` need it; the sigmoid's in a dtype of the caller's) and its fake (shape-only) and autograd
 implementations registered (``gdn2::decay_gate_forward``, ``gdn2::sigmoid_gate_forward`` and
 their backwards), so that torch.compile traces through them without a graph break:
 
 * ``decay_gate(f, A_log, dt_bias)``: ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` per channel
   of ``[..., H * K]`` (head ``h`` = channel // K); softplus as ``torch.nn.functional.softplus``
   (the identity above 20).
-* ``sigmoid_gate(x, scale)``: ``scale * sigmoid(x)`` (the erase gate, ``scale`` 2 with negative
+* ``sigmoid_gate(x, scale, out_dtype)``: ``scale * sigmoid(x)`` (the erase gate, ``scale`` 2 with negative
   eigenvalues allowed, and the write gate).
 
 The decay's backward sums the gradients of ``A_log`` and ``dt_bias`` over the rows in registers
@@ -163,7 +163,7 @@ def _sigmoid_forward_kernel(x, y, R, D, stride_x, scale, BR: tl.constexpr, BD: t
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = (rows < R)[:, None] & (cols < D)[None, :]
     value = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(y + rows[:, None] * D + cols[None, :], scale * tl.sigmoid(value), mask=ok)
+    tl.store(y + rows[:, None] * D + cols[None, :], (scale * tl.sigmoid(value)).to(y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -191,18 +191,18 @@ def _sigmoid_grid(R: int, D: int):
 
 
 @torch.library.custom_op("gdn2::sigmoid_gate_forward", mutates_args=())
-def _sigmoid_forward(x: torch.Tensor, scale: float) -> torch.Tensor:
+def _sigmoid_forward(x: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
     rows = _rows(x)
     R, D = rows.shape
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     grid, BR, BD = _sigmoid_grid(R, D)
     _sigmoid_forward_kernel[grid](rows, y, R, D, rows.stride(0), scale, BR=BR, BD=BD, num_warps=WARPS)
     return y
 
 
 @_sigmoid_forward.register_fake
-def _sigmoid_forward_shapes(x, scale):
-    return x.new_empty(x.shape, dtype=torch.float32)
+def _sigmoid_forward_shapes(x, scale, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
 
 
 @torch.library.custom_op("gdn2::sigmoid_gate_backward", mutates_args=())
@@ -221,7 +221,7 @@ def _sigmoid_backward_shapes(x, dy, scale):
 
 
 def _sigmoid_setup_context(ctx, inputs, output):
-    x, scale = inputs
+    x, scale, _ = inputs
     ctx.save_for_backward(x)
     ctx.scale = scale
 
@@ -229,15 +229,15 @@ def _sigmoid_setup_context(ctx, inputs, output):
 def _sigmoid_differentiate(ctx, dy):
     refuse_higher_order("GatedDeltaNet2's fused sigmoid gate kernel", LAYER_INSTEAD)
     (x,) = ctx.saved_tensors
-    return _sigmoid_backward(x, dy, ctx.scale), None
+    return _sigmoid_backward(x, dy, ctx.scale), None, None
 
 
 _sigmoid_forward.register_autograd(_sigmoid_differentiate, setup_context=_sigmoid_setup_context)
 
 
-def sigmoid_gate(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``scale * sigmoid(x)``, float32, x's shape; differentiable in x. A channel slice of a wider
-    tensor (rows evenly spaced) is read in place."""
+def sigmoid_gate(x: torch.Tensor, scale: float = 1.0, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``scale * sigmoid(x)``, in ``out_dtype`` (computed in float32), x's shape; differentiable in
+    x. A channel slice of a wider tensor (rows evenly spaced) is read in place."""
     if not isinstance(x, torch.Tensor) or x.ndim < 1:
         raise ValueError(f"x: expected a torch.Tensor with at least one dimension, received {type(x).__name__}")
-    return _sigmoid_forward(x, float(scale))
+    return _sigmoid_forward(x, float(scale), out_dtype)
