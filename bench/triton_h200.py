@@ -57,6 +57,16 @@ VARIANTS = [
     dict(STATE_MIN_PROGRAMS=512, STATE_WARPS=8),
     dict(STATE_MIN_PROGRAMS=512),
     dict(WY_BLOCK=32),
+    dict(DIAGONAL_UNROLL=True),
+    dict(DIAGONAL_UNROLL=True, DIAGONAL_WARPS=4),
+    dict(DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True),
+    dict(DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True, DIAGONAL_WARPS=4),
+    dict(WY_KEY_BLOCK=16),
+    dict(WY_KEY_BLOCK=16, WY_WARPS=8),
+    dict(WY_WARPS=8),
+    dict(INTRA_FORWARD_WARPS=4),
+    dict(FUSE_WY=True, WY_KEY_BLOCK=16),
+    dict(FUSE_WY=True, WY_KEY_BLOCK=16, DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
