@@ -52,11 +52,9 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(INTRA_BACKWARD_KEYS_WARPS=2),
-    dict(INTRA_BACKWARD_KEYS_WARPS=8),
-    dict(STATE_MIN_PROGRAMS=512, STATE_WARPS=8),
-    dict(STATE_MIN_PROGRAMS=512),
-    dict(WY_BLOCK=32),
+    dict(SAVED_IN_BFLOAT16=()),
+    dict(STATE_STAGES=2),
+    dict(STATE_WARPS=8),
     dict(DIAGONAL_UNROLL=True),
     dict(DIAGONAL_UNROLL=True, DIAGONAL_WARPS=4),
     dict(DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True),
