@@ -50,7 +50,7 @@ BACKWARD_PROGRAMS = 1024  # programs of the backward in all (fewer when there ar
 # walking a span of consecutive step blocks (_conv_backward_once_kernel). "recompute": no scratch;
 # each tile recomputes the pre-activations and their gradient at W shifts (W + (W - 1) * W input
 # tiles and W normalisations per tile; _conv_backward_kernel).
-BACKWARD_FORM = "once"
+BACKWARD_FORM = "recompute"
 # At 8 warps and 1024-element tiles (8 steps of a 128-channel head) it compiles for sm_90a to 126
 # registers for q/k, 108 for v, no spills (200 and 179 with every option); 2048-element tiles
 # take 206 registers at 8 warps and spill at 4.

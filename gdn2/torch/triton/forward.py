@@ -48,7 +48,7 @@ CHUNK = 64
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 2
 DIAGONAL_WARPS = 2
-DIAGONAL_UNROLL = False  # the diagonal kernel's row loop unrolled
+DIAGONAL_UNROLL = True  # the diagonal kernel's row loop unrolled
 DIAGONAL_INVERSE = False  # the diagonal kernel writes the diagonal tiles of X (not of A)
 WY_WARPS = 4
 WY_BLOCK = 64
@@ -58,7 +58,7 @@ FUSE_WY = False  # the WY kernel's work done by the intra-forward kernel, in the
 FUSED_WY_WARPS = 4  # warps of that fused launch
 INTRA_FORWARD_KEY_BLOCK = 16
 STATE_WARPS = 4
-STATE_STAGES = 1  # loads of the sequential passes issued this many chunks ahead (1: none)
+STATE_STAGES = 2  # loads of the sequential passes issued this many chunks ahead (1: none)
 OUTPUT_WARPS = 4
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
