@@ -142,8 +142,11 @@ def validate(
         raise ValueError(f"q, v: every dimension must be >= 1, received q {[B, T, H, K]} and v {list(_shape(v))}")
     dtype = _dtype_name(q)
     for name, x in arrays.items():
+        if name == "g" and dtype in ("float16", "bfloat16") and _dtype_name(x) == "float32":
+            continue  # log decays in float32 beside 16-bit inputs (rounding g to 16 bits moves exp(g) by |g| 2^-8)
         if _dtype_name(x) != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype} (the dtype of q), received {_dtype_name(x)}")
+            also = " or float32" if name == "g" and dtype in ("float16", "bfloat16") else ""
+            raise ValueError(f"{name}: expected dtype {dtype} (the dtype of q){also}, received {_dtype_name(x)}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an integer >= 1, received {chunk_size!r}")
     if isinstance(scale, (bool, np.bool_)):  # float(True) would be 1.0: a flag passed by mistake

@@ -120,13 +120,16 @@ def _outputs(values: dict, to_numpy) -> Outputs:
     return result
 
 
-def torch_gradients(case: dict, dtype: str, function, device: str = "cpu") -> Outputs:
+def torch_gradients(case: dict, dtype: str, function, device: str = "cpu", g_dtype: str | None = None) -> Outputs:
     """``function(q, k, v, g, b, w, initial_state=, output_final_state=True)`` forward and backward
-    on the case's inputs in ``dtype`` (the state in float32, float64 for float64)."""
+    on the case's inputs in ``dtype`` (g in ``g_dtype`` if given; the state in float32, float64
+    for float64)."""
     import torch
 
     compute = torch.float64 if dtype == "float64" else torch.float32
-    leaves = {n: torch.tensor(case["inputs"][n], dtype=getattr(torch, dtype), device=device, requires_grad=True) for n in INPUT_NAMES}
+    dtypes = dict.fromkeys(INPUT_NAMES, dtype) | ({} if g_dtype is None else {"g": g_dtype})
+    leaves = {n: torch.tensor(case["inputs"][n], dtype=getattr(torch, dtypes[n]), device=device, requires_grad=True)
+              for n in INPUT_NAMES}
     if case["inputs"]["initial_state"] is not None:
         leaves["initial_state"] = torch.tensor(case["inputs"]["initial_state"], dtype=compute, device=device, requires_grad=True)
     o, final_state = function(
@@ -139,24 +142,25 @@ def torch_gradients(case: dict, dtype: str, function, device: str = "cpu") -> Ou
     return _outputs(values, lambda x: x.detach().double().cpu().numpy())
 
 
-def mlx_arrays(case: dict, dtype: str) -> dict:
-    """The case's inputs as MLX arrays in ``dtype`` (through float32 unless float64); the state in
-    float32 (float64 for float64)."""
+def mlx_arrays(case: dict, dtype: str, g_dtype: str | None = None) -> dict:
+    """The case's inputs as MLX arrays in ``dtype`` (g in ``g_dtype`` if given; through float32
+    unless float64); the state in float32 (float64 for float64)."""
     import mlx.core as mx
 
     compute = mx.float64 if dtype == "float64" else mx.float32
-    arrays = {n: mx.array(case["inputs"][n], dtype=compute).astype(getattr(mx, dtype)) for n in INPUT_NAMES}
+    dtypes = dict.fromkeys(INPUT_NAMES, dtype) | ({} if g_dtype is None else {"g": g_dtype})
+    arrays = {n: mx.array(case["inputs"][n], dtype=compute).astype(getattr(mx, dtypes[n])) for n in INPUT_NAMES}
     if case["inputs"]["initial_state"] is not None:
         arrays["initial_state"] = mx.array(case["inputs"]["initial_state"], dtype=compute)
     return arrays
 
 
-def mlx_gradients(case: dict, dtype: str, function, compile: bool = False) -> Outputs:
+def mlx_gradients(case: dict, dtype: str, function, compile: bool = False, g_dtype: str | None = None) -> Outputs:
     """``torch_gradients`` in MLX (``mx.value_and_grad``, optionally under ``mx.compile``)."""
     import mlx.core as mx
 
     compute = mx.float64 if dtype == "float64" else mx.float32
-    arrays = mlx_arrays(case, dtype)
+    arrays = mlx_arrays(case, dtype, g_dtype)
     names = list(arrays)
     d_o, d_final = mx.array(case["d_o"], dtype=compute), mx.array(case["d_final_state"], dtype=compute)
 
@@ -172,26 +176,30 @@ def mlx_gradients(case: dict, dtype: str, function, compile: bool = False) -> Ou
     return _outputs(values, lambda x: np.array(x.astype(compute)).astype(np.float64))
 
 
-def run_torch(case: dict, dtype="float32", chunk_size=64, path=None, *, device="cpu") -> Outputs:
-    """``gdn2.torch.chunk_gdn2`` forward and backward on the case (packed cases with their offsets)."""
+def run_torch(case: dict, dtype="float32", chunk_size=64, path=None, *, device="cpu", g_dtype=None) -> Outputs:
+    """``gdn2.torch.chunk_gdn2`` forward and backward on the case (packed cases with their offsets;
+    g in ``g_dtype`` if given)."""
     import torch
 
     from .torch import chunk_gdn2
 
     offsets = case.get("cu_seqlens")
     cu_seqlens = None if offsets is None else torch.tensor(offsets, device=device)
-    return torch_gradients(case, dtype, partial(chunk_gdn2, chunk_size=chunk_size, path=path, cu_seqlens=cu_seqlens), device)
+    return torch_gradients(case, dtype, partial(chunk_gdn2, chunk_size=chunk_size, path=path, cu_seqlens=cu_seqlens),
+                           device, g_dtype)
 
 
-def run_mlx(case: dict, dtype="float32", chunk_size=64, path=None, *, compile=False) -> Outputs:
-    """``gdn2.mlx.chunk_gdn2`` forward and backward on the case (packed cases with their offsets)."""
+def run_mlx(case: dict, dtype="float32", chunk_size=64, path=None, *, compile=False, g_dtype=None) -> Outputs:
+    """``gdn2.mlx.chunk_gdn2`` forward and backward on the case (packed cases with their offsets;
+    g in ``g_dtype`` if given)."""
     import mlx.core as mx
 
     from .mlx import chunk_gdn2
 
     offsets = case.get("cu_seqlens")
     cu_seqlens = None if offsets is None else mx.array(offsets)
-    return mlx_gradients(case, dtype, partial(chunk_gdn2, chunk_size=chunk_size, path=path, cu_seqlens=cu_seqlens), compile)
+    return mlx_gradients(case, dtype, partial(chunk_gdn2, chunk_size=chunk_size, path=path, cu_seqlens=cu_seqlens),
+                         compile, g_dtype)
 
 
 # ---- errors and timing --------------------------------------------------------------------------

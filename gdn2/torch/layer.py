@@ -114,14 +114,13 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-# The dtype in which the fused glue hands q, k, v, b, w to the operator (g is always float32: the
-# operator's cumulative sums of it need the precision). "float32": always. "projections": the
-# projections' dtype (the autocast dtype, else the input's), as flash-linear-attention's layer
-# does; the operator reads them into float32, and its output, the tensors it saves for the
-# backward and its gradients of them are then that dtype too (bf16: half the bytes). Needs an
-# operator that takes a float32 g beside half-precision q, k, v, b, w (gdn2.spec.validate asks
-# for one dtype today, so the default is "float32").
-OPERATOR_INPUT_DTYPE = "float32"
+# The dtype in which the layer hands q, k, v, b, w to the operator (g is always float32: a log
+# decay rounded to 16 bits moves exp(g) by |g| 2^-8). "projections": the projections' dtype (the
+# autocast dtype, else the input's), as flash-linear-attention's layer does; they are computed in
+# float32 and rounded once, the operator reads them into float32, and its output, the tensors it
+# saves and its gradients of them are then that dtype too (bf16: half the bytes). "float32":
+# always float32.
+OPERATOR_INPUT_DTYPE = "projections"
 
 
 class GatedDeltaNet2(nn.Module):
@@ -335,8 +334,8 @@ class GatedDeltaNet2(nn.Module):
         return choice
 
     def _plain_inputs(self, x, mask, conv_states, positions):
-        """q, k, v, g, b, w for the operator (float32, ``[B, T, heads, D]``) and the new
-        convolution states, in plain PyTorch."""
+        """q, k, v, g, b, w for the operator (``[B, T, heads, D]``; g float32, the others in
+        ``OPERATOR_INPUT_DTYPE``'s choice) and the new convolution states, in plain PyTorch."""
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         if self.use_short_conv:
@@ -359,6 +358,10 @@ class GatedDeltaNet2(nn.Module):
         q = l2_normalize(q.float().view(B, T, H, K))
         k = l2_normalize(k.float().view(B, T, H, K))
         v = v.float().view(B, T, HV, V)
+        if OPERATOR_INPUT_DTYPE != "float32":  # the projections' dtype, as the fused glue writes them
+            device = x.device.type
+            store = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+            q, k, v, b, w = (t.to(store) for t in (q, k, v, b, w))
         return q, k, v, g, b, w, conv_states
 
     def _fused_inputs(self, x, mask, conv_states, positions, keep_conv_states: bool):

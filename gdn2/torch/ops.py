@@ -198,7 +198,8 @@ def chunk_gdn2(
     Args:
         q, k: ``[B, T, H, K]`` query and key.
         v: ``[B, T, H, V]`` value.
-        g: ``[B, T, H, K]`` per-channel log decay (natural log, ``<= 0``).
+        g: ``[B, T, H, K]`` per-channel log decay (natural log, ``<= 0``); q's dtype, or float32
+            beside bfloat16 or float16 inputs.
         b: ``[B, T, H, K]`` erase gate; w: ``[B, T, H, V]`` write gate.
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` float32 (float64 with float64 inputs), or None for zeros.

@@ -167,6 +167,8 @@ def run(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bo
     K, V <= 256). Returns ``(o [B, T, H, V] in q's dtype, final_state float32 or None)``;
     differentiable in every input and in ``initial_state``. Raises RuntimeError when a kernel
     fails to compile or launch."""
+    out_dtype = q.dtype
+    q, k, v, g, b, w = _one_dtype(q, k, v, g, b, w)
     B, T, H, K = q.shape
     V = v.shape[-1]
     kernel_plan = plan(B, T, H, K, V, q.dtype, checkpoint_interval)
@@ -175,14 +177,25 @@ def run(q, k, v, g, b, w, *, scale: float, initial_state, output_final_state: bo
         raise RuntimeError(f"Metal kernel failed to compile or launch: {failure}")
     function = _function(float(scale), int(checkpoint_interval), kernel_plan.forward, kernel_plan.backward)
     o, final_state = function(q, k, v, g, b, w, _initial_state(q, v, initial_state))
-    return o, (final_state if output_final_state else None)
+    return o.astype(out_dtype), (final_state if output_final_state else None)
 
 
 def family_gdn2(kind: str, q, k, v, g, b, w, scale: float, initial_state=None, interval: int = 64):
     """GDN-2 on one kernel family (``scan`` or ``chunked``) for both passes, without the plan or
     the probe (the tests and benches that compare the families): ``(o, final_state float32)``,
     differentiable in every input and in ``initial_state``."""
-    return _function(float(scale), int(interval), kind, kind)(q, k, v, g, b, w, _initial_state(q, v, initial_state))
+    out_dtype = q.dtype
+    q, k, v, g, b, w = _one_dtype(q, k, v, g, b, w)
+    o, final_state = _function(float(scale), int(interval), kind, kind)(q, k, v, g, b, w, _initial_state(q, v, initial_state))
+    return o.astype(out_dtype), final_state
+
+
+def _one_dtype(q, k, v, g, b, w):
+    """The kernels take one input dtype: a float32 g beside 16-bit inputs runs them all in float32
+    (exact; the gradients go back to each input's dtype through the casts)."""
+    if g.dtype == q.dtype:
+        return q, k, v, g, b, w
+    return tuple(x.astype(mx.float32) for x in (q, k, v, g, b, w))
 
 
 def _initial_state(q, v, initial_state):
