@@ -51,11 +51,15 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(INTRA_BACKWARD_KEYS_WARPS=2),
-    dict(INTRA_BACKWARD_KEYS_WARPS=8),
-    dict(STATE_MIN_PROGRAMS=512, STATE_WARPS=8),
-    dict(STATE_MIN_PROGRAMS=512),
-    dict(WY_BLOCK=32),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1),
+    dict(INTRA_BACKWARD_KEYS_MERGED=1),
+    dict(INTRA_BACKWARD_KEYS_MERGED=1, INTRA_BACKWARD_KEYS_PREFETCH=1),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_WARPS=8),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_WARPS=8, INTRA_BACKWARD_KEYS_BLOCK=64),
+    dict(INTRA_BACKWARD_KEYS_STAGES=2),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_STAGES=3),
+    dict(INTRA_BACKWARD_CONTRACT_STAGES=2),
+    dict(INTRA_BACKWARD_VALUES_STAGES=2),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -14,7 +14,11 @@
   block of key columns): the WY adjoint and the adjoints of the gated bilinear forms ``A`` and
   ``P`` (span sums through the row before a sub-block off the diagonal, products of per-step
   decays inside it), then dg's sums over the chunk. P's diagonal and the k-to-end and gamma terms
-  go straight to dq, dk and dg (they cancel in dG only to rounding).
+  go straight to dq, dk and dg (they cancel in dG only to rounding). The pairs inside a sub-block
+  go one row (keys' side) and one column (rows' side) per step, in two loops or one
+  (``INTRA_BACKWARD_KEYS_MERGED``), each step's rows loaded in the step or one step ahead
+  (``INTRA_BACKWARD_KEYS_PREFETCH``): a step's arithmetic is short, and without a prefetch
+  each step waits for its own loads.
 """
 
 from __future__ import annotations
@@ -108,6 +112,10 @@ INTRA_BACKWARD_KEYS_BLOCK = 32
 INTRA_BACKWARD_KEYS_MERGED = 0
 INTRA_BACKWARD_KEYS_PREFETCH = 0
 INTRA_BACKWARD_KEYS_STAGES = 1
+# num_stages of the contraction and value launches (their loops over value blocks feed dots: with
+# 2 or more, Triton loads the next block's tiles while the current one is multiplied).
+INTRA_BACKWARD_CONTRACT_STAGES = 1
+INTRA_BACKWARD_VALUES_STAGES = 1
 
 @triton.jit
 def _intra_backward_contract_kernel(
@@ -521,7 +529,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=INTRA_BACKWARD_CONTRACT_STAGES,
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
@@ -537,7 +545,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=INTRA_BACKWARD_VALUES_STAGES,
     )
     return dv, dw, d_A, d_P
 
