@@ -90,13 +90,16 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     """Each kernel with the pointer dtypes and constants its launcher uses for (K, V), for packed
     sequences (``packed``) or a batch."""
     f32 = "fp32"
-    saved_states = "bf16" if inp == "bf16" and "states" in operator.SAVED_IN_BFLOAT16 else f32
+    def saved(name):  # the dtype of a saved buffer, as the operator allocates it
+        return "bf16" if inp == "bf16" and name in operator.SAVED_IN_BFLOAT16 else f32
+
+    saved_states = saved("states")
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
     out["intra_forward"] = (
         fk._intra_forward_kernel,
-        dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, v=inp, w=inp, qd_out=f32, kd_out=f32, Wk_out=f32,
+        dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, v=inp, w=inp, qd_out=saved("qd"), kd_out=saved("kd"), Wk_out=f32,
              Uw_out=f32, gamma_out=f32, first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, V=V, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed,
              DIAGONAL_INVERSE=fk.DIAGONAL_INVERSE, FUSE_WY=fk.FUSE_WY, WY_BK=min(fk.WY_KEY_BLOCK or fk.WY_BLOCK, bk),
@@ -105,7 +108,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     )
     out["wy"] = (
         fk._wy_kernel,
-        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=f32, kd_out=f32, Wk_out=f32, Uw_out=f32,
+        dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=saved("qd"), kd_out=saved("kd"), Wk_out=f32, Uw_out=f32,
              gamma_out=f32, first_bad_out="i32", chunk_table="i32"),
         {}, dict(K=K, V=V, BK=min(fk.WY_KEY_BLOCK or fk.WY_BLOCK, bk),
                  BV=min(fk.WY_VALUE_BLOCK or fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
@@ -119,7 +122,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     )
     out["state_forward"] = (
         fk._state_forward_kernel,
-        dict(Wk=f32, kd=f32, Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=saved_states, U_out=f32,
+        dict(Wk=f32, kd=saved("kd"), Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=saved_states, U_out=f32,
              final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
                  PACKED=packed, STAGES=fk.STATE_STAGES),
@@ -127,14 +130,14 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     )
     out["output"] = (
         fk._output_kernel,
-        dict(qd=f32, P=f32, states=saved_states, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
+        dict(qd=saved("qd"), P=f32, states=saved_states, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
         dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
     bw = backward
     out["state_backward"] = (
         bw._state_backward_kernel,
-        dict(qd=f32, kd=f32, Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32,
+        dict(qd=saved("qd"), kd=saved("kd"), Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32,
              chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
@@ -159,7 +162,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed), bw.INTRA_BACKWARD_KEYS_WARPS,
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed,
+                 MERGED_STEPS=bool(bw.INTRA_BACKWARD_KEYS_MERGED), PREFETCH=bool(bw.INTRA_BACKWARD_KEYS_PREFETCH)),
+        bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     out["gate_gradient"] = (
         bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp, chunk_table="i32"),

@@ -52,19 +52,16 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers), timed at the first
 # timing shape and checked (``--variants``); the ones that risked a fault before come last.
 VARIANTS = [
-    dict(SAVED_IN_BFLOAT16=()),
-    dict(STATE_STAGES=2),
-    dict(STATE_WARPS=8),
-    dict(DIAGONAL_UNROLL=True),
-    dict(DIAGONAL_UNROLL=True, DIAGONAL_WARPS=4),
-    dict(DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True),
-    dict(DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True, DIAGONAL_WARPS=4),
-    dict(WY_KEY_BLOCK=16),
-    dict(WY_KEY_BLOCK=16, WY_WARPS=8),
-    dict(WY_WARPS=8),
-    dict(INTRA_FORWARD_WARPS=4),
-    dict(FUSE_WY=True, WY_KEY_BLOCK=16),
-    dict(FUSE_WY=True, WY_KEY_BLOCK=16, DIAGONAL_UNROLL=True, DIAGONAL_INVERSE=True),
+    dict(SAVED_IN_BFLOAT16=("states",)),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1),
+    dict(INTRA_BACKWARD_KEYS_MERGED=1),
+    dict(INTRA_BACKWARD_KEYS_MERGED=1, INTRA_BACKWARD_KEYS_PREFETCH=1),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_WARPS=8),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_WARPS=8, INTRA_BACKWARD_KEYS_BLOCK=64),
+    dict(INTRA_BACKWARD_KEYS_STAGES=2),
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_STAGES=3),
+    dict(INTRA_BACKWARD_CONTRACT_STAGES=2),
+    dict(INTRA_BACKWARD_VALUES_STAGES=2),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

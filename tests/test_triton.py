@@ -108,6 +108,37 @@ def test_kernel_erase_gate_up_to_two_and_float16(seed, interpreter):
     assert error <= 2e-2, (seed, name, errors)
 
 
+# The keys launch's selectable forms of the pairs inside a sub-block (module constants of
+# gdn2.torch.triton.backward; the default form is tested everywhere else).
+KEYS_FORMS = [
+    dict(INTRA_BACKWARD_KEYS_PREFETCH=1),
+    dict(INTRA_BACKWARD_KEYS_MERGED=1),
+    dict(INTRA_BACKWARD_KEYS_MERGED=1, INTRA_BACKWARD_KEYS_PREFETCH=1, INTRA_BACKWARD_KEYS_BLOCK=64),
+]
+
+
+@kernel_only
+@pytest.mark.parametrize("form", KEYS_FORMS, ids=lambda f: "-".join(f"{k.rsplit('_', 1)[-1]}{v}" for k, v in f.items()))
+def test_keys_launch_forms(form, seed, interpreter, monkeypatch):
+    """Every gradient against the spec with each form: two chunks and a short one (T = 130), the
+    log decay down to -20, and a hard reset (g = -inf) in the middle of a sub-block and at a
+    sub-block's first row."""
+    from gdn2.testing import with_expected
+    from gdn2.torch.triton import backward
+
+    for name, value in form.items():
+        monkeypatch.setattr(backward, name, value)
+    case = make_case(1, 130, 2, 64, 32, seed, log_decay_range=(-20.0, 0.0), reference=False)
+    case["inputs"]["g"][0, 37, 0] = -np.inf
+    case["inputs"]["g"][0, 80, 1] = -np.inf
+    case = with_expected(case)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="invalid value|overflow|divide by zero")  # numpy, in the interpreter
+        result = run_torch(case, "float32", path="kernel")
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 1e-4, (seed, name, errors)
+
+
 @kernel_only
 def test_kernel_output_types_and_no_final_state(seed, interpreter):
     case = make_case(1, 9, 1, 8, 8, seed, reference=False)

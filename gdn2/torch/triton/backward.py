@@ -14,7 +14,11 @@
   block of key columns): the WY adjoint and the adjoints of the gated bilinear forms ``A`` and
   ``P`` (span sums through the row before a sub-block off the diagonal, products of per-step
   decays inside it), then dg's sums over the chunk. P's diagonal and the k-to-end and gamma terms
-  go straight to dq, dk and dg (they cancel in dG only to rounding).
+  go straight to dq, dk and dg (they cancel in dG only to rounding). The pairs inside a sub-block
+  go one row (keys' side) and one column (rows' side) per step, in two loops or one
+  (``INTRA_BACKWARD_KEYS_MERGED``), each step's rows loaded in the step or one step ahead
+  (``INTRA_BACKWARD_KEYS_PREFETCH``): a step's arithmetic is short, and without a prefetch
+  each step waits for its own loads.
 """
 
 from __future__ import annotations
@@ -103,6 +107,15 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32
+# The keys launch's pairs inside a sub-block: rows and columns in one loop (1) or two (0); each
+# step's rows loaded one step ahead (1) or in the step (0); the launch's num_stages.
+INTRA_BACKWARD_KEYS_MERGED = 0
+INTRA_BACKWARD_KEYS_PREFETCH = 0
+INTRA_BACKWARD_KEYS_STAGES = 1
+# num_stages of the contraction and value launches (their loops over value blocks feed dots: with
+# 2 or more, Triton loads the next block's tiles while the current one is multiplied).
+INTRA_BACKWARD_CONTRACT_STAGES = 1
+INTRA_BACKWARD_VALUES_STAGES = 1
 
 @triton.jit
 def _intra_backward_contract_kernel(
@@ -234,6 +247,65 @@ def _sub_block_decay(g, first, end, HK, cols_k, k_ok):
 
 
 @triton.jit
+def _row_step_inputs(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, i):
+    """Row ``i`` of the sub-block's g, q, b, k (the inputs' dtype) and row ``i`` of dA's and dP's
+    diagonal block at columns ``j < i``; zeros at ``i = 16`` (a prefetch one past the last row)."""
+    t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
+    row = t_i * HK + cols_k
+    row_ok = k_ok & (t_i < end) & (i < 16)
+    g_i = tl.load(g + row, mask=row_ok, other=0.0)
+    q_i = tl.load(q + row, mask=row_ok, other=0.0)
+    b_i = tl.load(b + row, mask=row_ok, other=0.0)
+    k_i = tl.load(k + row, mask=row_ok, other=0.0)
+    entries = (I * 16 + i) * 64 + I * 16 + r
+    below = (r < i) & (i < 16)
+    d_A_row = tl.load(d_A_scratch + entries, mask=below, other=0.0)
+    d_P_row = tl.load(d_P_scratch + entries, mask=below, other=0.0)
+    return g_i, q_i, b_i, k_i, d_A_row, d_P_row
+
+
+@triton.jit
+def _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row):
+    """The keys' side of row ``i``: ``E[j] = exp(g_{j+1} + ... + g_i)`` for ``j < i`` (the previous
+    row's times ``exp(g_i)``; 1 at ``j = i``, 0 after), and row i's pairs added to ``d_k_pair``."""
+    step_decay = tl.exp(g_i.to(tl.float32))
+    bk_i = b_i.to(tl.float32) * k_i.to(tl.float32)
+    E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
+    d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i.to(tl.float32)[None, :])
+    return E, d_k_pair
+
+
+@triton.jit
+def _column_step_inputs(k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, j):
+    """Row ``j + 1`` of the sub-block's g (zero past its last row), row ``j`` of k, and column ``j``
+    of dA's and dP's diagonal block at rows ``i > j``; zeros at ``j = -1`` (a prefetch one past
+    the first column)."""
+    t_next = first + j + 1 + 0 * cols_k
+    next_ok = k_ok & (t_next < end) & (t_next < first + 16) & (j >= 0)
+    g_next = tl.load(g + t_next * HK + cols_k, mask=next_ok, other=0.0)
+    t_j = first + j + 0 * cols_k
+    k_j = tl.load(k + t_j * HK + cols_k, mask=k_ok & (t_j < end) & (j >= 0), other=0.0)
+    entries = (I * 16 + r) * 64 + I * 16 + j
+    below = (r > j) & (j >= 0)
+    d_A_column = tl.load(d_A_scratch + entries, mask=below, other=0.0)
+    d_P_column = tl.load(d_P_scratch + entries, mask=below, other=0.0)
+    return g_next, k_j, d_A_column, d_P_column
+
+
+@triton.jit
+def _column_step(F, d_bk_A, d_q_P, r, j, g_next, k_j, d_A_column, d_P_column):
+    """The rows' side of column ``j``: ``F[i] = exp(g_{j+1} + ... + g_i)`` for ``i > j`` (the next
+    column's times ``exp(g_{j+1})``, 0 at and before ``j``), and column j's pairs added to
+    ``d_bk_A`` and ``d_q_P``."""
+    next_decay = tl.exp(g_next.to(tl.float32))
+    F = tl.where(r[:, None] > j, tl.where(r[:, None] == j + 1, 1.0, F) * next_decay[None, :], 0.0)
+    k_F = F * k_j.to(tl.float32)[None, :]
+    d_bk_A += d_A_column[:, None] * k_F
+    d_q_P += d_P_column[:, None] * k_F
+    return F, d_bk_A, d_q_P
+
+
+@triton.jit
 def _intra_backward_keys_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     d_qd, d_kd, d_bkd,  # from the contraction launch, [B, H, N * 64, K]; d_qd's rows get dg's partial sums
@@ -242,6 +314,7 @@ def _intra_backward_keys_kernel(
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
     BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    MERGED_STEPS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -311,39 +384,62 @@ def _intra_backward_keys_kernel(
     right = tl.exp(tl.cumsum(_rows(g, first, end, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
     d_k_pair = right * to_later
 
-    # Pairs inside I, in two loops without sums across rows: one row i at a time for the keys'
-    # side (``E[j] = exp(g_{j+1} + ... + g_i)``, the previous row's times ``exp(g_i)``), one column j
-    # at a time, last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next
-    # column's times ``exp(g_{j+1})``).
+    # Pairs inside I, without sums across rows: one row i at a time for the keys' side (``E[j] =
+    # exp(g_{j+1} + ... + g_i)``, the previous row's times ``exp(g_i)``), one column j at a time,
+    # last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next column's times
+    # ``exp(g_{j+1})``). With MERGED_STEPS both in one loop (step s: row s and column 15 - s), so
+    # that their loads wait together; with PREFETCH each step's rows are loaded one step ahead.
     k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
     E = tl.zeros((16, BKB), dtype=tl.float32)
-    for i in range(16):
-        t_i = first + i + 0 * cols_k  # a vector: the interpreter needs one for masks
-        row = t_i * HK + cols_k
-        row_ok = k_ok & (t_i < end)
-        step_decay = tl.exp(tl.load(g + row, mask=row_ok, other=0.0).to(tl.float32))
-        q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
-        bk_i = tl.load(b + row, mask=row_ok, other=0.0).to(tl.float32) * tl.load(k + row, mask=row_ok, other=0.0).to(tl.float32)
-        E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
-        entries = (I * 16 + i) * 64 + I * 16 + r  # row i of the diagonal block
-        d_A_row = tl.where(r < i, tl.load(d_A_scratch + entries), 0.0)
-        d_P_row = tl.where(r < i, tl.load(d_P_scratch + entries), 0.0)
-        d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i[None, :])
     F = tl.zeros((16, BKB), dtype=tl.float32)
-    for step in range(16):
-        j = 15 - step
-        t_next = first + j + 1 + 0 * cols_k
-        next_ok = k_ok & (t_next < end) & (t_next < first + 16)
-        next_decay = tl.exp(tl.load(g + t_next * HK + cols_k, mask=next_ok, other=0.0).to(tl.float32))
-        F = tl.where(r[:, None] > j, tl.where(r[:, None] == j + 1, 1.0, F) * next_decay[None, :], 0.0)
-        t_j = first + j + 0 * cols_k
-        k_j = tl.load(k + t_j * HK + cols_k, mask=k_ok & (t_j < end), other=0.0).to(tl.float32)
-        entries = (I * 16 + r) * 64 + I * 16 + j  # column j of the diagonal block
-        d_A_column = tl.where(r > j, tl.load(d_A_scratch + entries), 0.0)
-        d_P_column = tl.where(r > j, tl.load(d_P_scratch + entries), 0.0)
-        k_F = F * k_j[None, :]
-        d_bk_A += d_A_column[:, None] * k_F
-        d_q_P += d_P_column[:, None] * k_F
+    if MERGED_STEPS:
+        if PREFETCH:
+            g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+                q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
+            g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+                k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
+            for s in range(16):
+                g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
+                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
+                g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
+                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
+                E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
+                g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
+                g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
+        else:
+            for s in range(16):
+                g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s)
+                g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15 - s)
+                E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
+    else:
+        if PREFETCH:
+            g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+                q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
+            for i in range(16):
+                g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
+                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, i + 1)
+                E, d_k_pair = _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+                g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
+            g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+                k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
+            for step in range(16):
+                g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
+                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - step)
+                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - step, g_next, k_j, d_A_column, d_P_column)
+                g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
+        else:
+            for i in range(16):
+                g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, i)
+                E, d_k_pair = _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+            for step in range(16):
+                g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15 - step)
+                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - step, g_next, k_j, d_A_column, d_P_column)
 
     q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
     b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
@@ -433,7 +529,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=INTRA_BACKWARD_CONTRACT_STAGES,
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
@@ -449,7 +545,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=INTRA_BACKWARD_VALUES_STAGES,
     )
     return dv, dw, d_A, d_P
 
@@ -464,7 +560,9 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
-        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, MERGED_STEPS=bool(INTRA_BACKWARD_KEYS_MERGED),
+        PREFETCH=bool(INTRA_BACKWARD_KEYS_PREFETCH), num_warps=INTRA_BACKWARD_KEYS_WARPS,
+        num_stages=INTRA_BACKWARD_KEYS_STAGES,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
         d_qd, sub_block_sums, gamma, d_gamma, dg, _table(chunk_table, q), T, H, K, N, BKB=BKB,
