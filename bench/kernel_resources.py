@@ -98,26 +98,20 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     out = {}
     fk = forward
     out["intra_forward"] = (
-        fk._intra_forward_kernel,
-        dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, v=inp, w=inp, qd_out=saved("qd"), kd_out=saved("kd"), Wk_out=f32,
-             Uw_out=f32, gamma_out=f32, first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, V=V, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed,
-             DIAGONAL_INVERSE=fk.DIAGONAL_INVERSE, FUSE_WY=fk.FUSE_WY, WY_BK=min(fk.WY_KEY_BLOCK or fk.WY_BLOCK, bk),
-             WY_BV=min(fk.WY_VALUE_BLOCK or fk.WY_BLOCK, max(16, triton.next_power_of_2(V)))),
-        fk.FUSED_WY_WARPS if fk.FUSE_WY else fk.INTRA_FORWARD_WARPS,
+        fk._intra_forward_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, chunk_table="i32"), {},
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed), fk.INTRA_FORWARD_WARPS,
     )
     out["wy"] = (
         fk._wy_kernel,
         dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=saved("qd"), kd_out=saved("kd"), Wk_out=f32, Uw_out=f32,
              gamma_out=f32, first_bad_out="i32", chunk_table="i32"),
-        {}, dict(K=K, V=V, BK=min(fk.WY_KEY_BLOCK or fk.WY_BLOCK, bk),
-                 BV=min(fk.WY_VALUE_BLOCK or fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
+        {}, dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                  PACKED=packed),
         fk.WY_WARPS,
     )
     out["diagonal"] = (
         fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {},
-        dict(K=K, BK=bk, PACKED=packed, UNROLL=fk.DIAGONAL_UNROLL, INVERSE=fk.DIAGONAL_INVERSE),
+        dict(K=K, BK=bk, PACKED=packed),
         fk.DIAGONAL_WARPS,
     )
     out["state_forward"] = (

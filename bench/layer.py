@@ -432,13 +432,9 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
         shape = dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, NORMALIZE=normalize)
         out[f"conv forward {label}"] = (conv._conv_forward_kernel, dict(conv_pointers, y=f32), dict(eps=f32),
                                         dict(shape, **none), conv.FORWARD_WARPS)
-        once = dict(shape, BT=conv.once_step_block(channels))
         for flags, name in ((none, ""), (every, " +all options")):
             out[f"conv backward {label}{name}"] = (conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
                                                    dict(shape, WB=4, BS=4, **flags), conv.BACKWARD_WARPS)
-            out[f"conv backward once {label}{name}"] = (conv._conv_backward_once_kernel,
-                                                        dict(backward_pointers, scratch=f32), dict(eps=f32),
-                                                        dict(once, WB=4, BS=4, **flags), conv.ONCE_BACKWARD_WARPS)
     rows, block = norm._row_block(head_dim)
     out["l2 forward"] = (norm._l2_forward_kernel, dict(x=inp, y=f32), dict(eps=f32),
                          dict(K=head_dim, BR=rows, BK=block, SILU=True), norm.WARPS)

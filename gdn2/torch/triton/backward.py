@@ -108,9 +108,11 @@ INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32
 # The keys launch's pairs inside a sub-block: rows and columns in one loop (1) or two (0); each
-# step's rows loaded one step ahead (1) or in the step (0); the launch's num_stages.
-INTRA_BACKWARD_KEYS_MERGED = 0
-INTRA_BACKWARD_KEYS_PREFETCH = 0
+# step's rows loaded one step ahead (1) or in the step (0); the launch's num_stages. H200, forward
+# + backward at B=8 T=4096 H=16 K=V=128 bf16: 13.20 ms with 0, 0; 12.99 prefetch; 12.62 merged;
+# 12.36 both (bench/RESULTS.md).
+INTRA_BACKWARD_KEYS_MERGED = 1
+INTRA_BACKWARD_KEYS_PREFETCH = 1
 INTRA_BACKWARD_KEYS_STAGES = 1
 # num_stages of the contraction and value launches (their loops over value blocks feed dots: with
 # 2 or more, Triton loads the next block's tiles while the current one is multiplied).

@@ -22,10 +22,9 @@ Launches: forward (one program per block of steps, block of channels and batch r
 (a fixed number of programs per channel block and batch row, each walking several blocks of
 steps so that the weight and bias gradients are summed in registers; the partial sums of the
 programs are added by one ``torch.sum``). The backward recomputes the pre-activations from the
-inputs (W taps per step, read from cache), so the forward saves nothing but its inputs. Its
-default form (``BACKWARD_FORM = "once"``) computes the gradient of each step's pre-activation
-once and reads it shifted from a two-tile scratch per program; the other (``"recompute"``)
-recomputes it at each of the W shifts that read it.
+inputs (W taps per step, read from cache), so the forward saves nothing but its inputs.
+Computing each step's pre-activation gradient once instead (through a per-program scratch) was
+slower on the H200 (docs/triton.md).
 """
 
 from __future__ import annotations
@@ -37,26 +36,15 @@ import triton.language as tl
 from . import LAYER_INSTEAD, refuse_higher_order
 
 # Launch settings: tiles of about 1024 elements (steps x channels). The backward keeps several
-# shifted tiles live; at 8 warps it compiles for sm_90a without spills (149 registers for a q/k
-# head of 128 channels, ``python bench/layer.py --resources``), at 4 warps or larger tiles it spills.
+# shifted tiles live; at 8 warps it compiles for sm_90a without spills (128 registers for a q/k
+# head of 128 channels, 227 with every option: ``python bench/layer.py --resources``), at 4 warps
+# or larger tiles it spills.
 FORWARD_WARPS = 4
 BACKWARD_WARPS = 8
 TILE_ELEMENTS = 1024
 MAX_STEP_BLOCK = 32
 CHANNEL_BLOCK = 64  # channels per program without normalisation
 BACKWARD_PROGRAMS = 1024  # programs of the backward in all (fewer when there are fewer blocks)
-# The backward's form. "once": the gradient of each step's pre-activation is computed once and
-# read shifted from a small per-program scratch (2 x tile, float32, in cache), each program
-# walking a span of consecutive step blocks (_conv_backward_once_kernel). "recompute": no scratch;
-# each tile recomputes the pre-activations and their gradient at W shifts (W + (W - 1) * W input
-# tiles and W normalisations per tile; _conv_backward_kernel).
-BACKWARD_FORM = "recompute"
-# At 8 warps and 1024-element tiles (8 steps of a 128-channel head) it compiles for sm_90a to 126
-# registers for q/k, 108 for v, no spills (200 and 179 with every option); 2048-element tiles
-# take 206 registers at 8 warps and spill at 4.
-ONCE_BACKWARD_WARPS = 8
-ONCE_TILE_ELEMENTS = 1024  # steps x channels per tile of the "once" backward
-ONCE_BACKWARD_PROGRAMS = 1024  # programs in all; the scratch is programs x 2 tiles x 4 bytes (8 MiB)
 
 
 @triton.jit
@@ -225,88 +213,6 @@ def _conv_backward_kernel(
         tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
 
 
-@triton.jit
-def _conv_backward_once_kernel(
-    x, weight, bias, state, positions, mask, dy,  # as the forward; dy [B, T, D]
-    dx, d_weight_parts, d_bias_parts, d_state, scratch,  # as _conv_backward_kernel; scratch [programs, 2 * BT, BD] f32
-    T, D, stride_x, eps, P, span_blocks, row_blocks,
-    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-):
-    """Each program walks a span of consecutive step blocks from the last to the first. The
-    gradient of the pre-activations ``dz`` of each step is computed once: a block's ``dz`` goes to
-    one of two scratch slots (block n in slot n % 2), so that the input gradient of step s, which
-    reads ``dz[s .. s + W - 1]``, finds the steps past its block in the slot the previous block
-    (n + 1) wrote. The W - 1 steps after the span are computed first (another program's, read
-    only here)."""
-    i_p = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    lane = tl.arange(0, BD)
-    cols = i_c * CH + lane
-    col_ok = (lane < CH) & (cols < D)
-    taps = tl.arange(0, WB)
-    d_weight = tl.zeros((BD, WB), dtype=tl.float32)
-    d_bias = tl.zeros((BD,), dtype=tl.float32)
-    first = i_p * span_blocks
-    last = tl.minimum(first + span_blocks, row_blocks)  # one past the span's last block
-    program = (i_b * tl.num_programs(1) + i_c) * P + i_p
-    slots = scratch + program * (2 * BT * BD)
-    steps = tl.arange(0, BT)
-    halo = last * BT + tl.arange(0, BS)  # zero gradient past T
-    dz_halo = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, halo, T, D, stride_x, cols, col_ok,
-                                   eps, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-    tl.store(slots + ((last % 2) * BT + tl.arange(0, BS))[:, None] * BD + lane[None, :], dz_halo)
-    for i in range(0, last - first):
-        n = last - 1 - i
-        s = n * BT + steps
-        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps,
-                                  W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-        tl.store(slots + ((n % 2) * BT + steps)[:, None] * BD + lane[None, :], dz)
-        # Weight and bias: dz of this block's steps against the inputs each tap read.
-        if HAS_POSITIONS:
-            position = tl.load(positions + i_b * T + s, mask=s < T, other=0)
-        for j in tl.static_range(W):
-            back = W - 1 - j
-            tile = _inputs(x, state, mask, i_b, s - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-            if HAS_POSITIONS:
-                tile = tl.where((position >= back)[:, None], tile, 0.0)
-            d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
-        d_bias += tl.sum(dz, 0)
-        tl.debug_barrier()  # this block's dz (and the halo) stored before any thread reads them shifted
-        last_tap = tl.load(weight + cols * W + W - 1, mask=col_ok, other=0.0).to(tl.float32)
-        grad = dz * last_tap[None, :]
-        for m in tl.static_range(1, W):
-            t = s + m  # in block n or n + 1
-            later = tl.load(slots + (((t // BT) % 2) * BT + t % BT)[:, None] * BD + lane[None, :])
-            if HAS_POSITIONS:  # step t reaches back m steps only inside its own sequence
-                position_t = tl.load(positions + i_b * T + t, mask=t < T, other=0)
-                later = tl.where((position_t >= m)[:, None], later, 0.0)
-            tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
-            grad += later * tap[None, :]
-        if HAS_MASK:
-            keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
-            grad = tl.where(keep[:, None], grad, 0.0)
-        tl.store(dx + (i_b * T + s)[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty),
-                 mask=(s < T)[:, None] & col_ok[None, :])
-        if HAS_STATE:
-            if n == 0:  # the state's rows are the steps -(W - 1) .. -1 (a few rows, recomputed)
-                r = tl.arange(0, BS) - (W - 1)
-                dz_r = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, stride_x, cols, col_ok,
-                                            eps, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-                grad_r = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, stride_x, cols, col_ok, eps,
-                                     dz_r, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-                tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
-                         grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
-        tl.debug_barrier()  # every thread done reading the slot the next block overwrites
-    part = i_b * P + i_p
-    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
-             mask=col_ok[:, None] & (taps < W)[None, :])
-    if HAS_BIAS:
-        tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
-
-
 def row_stride(x: torch.Tensor) -> int | None:
     """The distance between consecutive rows (b, t) of ``x [B, T, D]`` in elements, None when they
     are not evenly spaced or a row is not contiguous. Contiguous tensors and channel slices of a
@@ -323,11 +229,6 @@ def row_stride(x: torch.Tensor) -> int | None:
 def step_block(BD: int) -> int:
     """Steps per tile for a block of ``BD`` channels."""
     return min(MAX_STEP_BLOCK, max(2, TILE_ELEMENTS // BD))
-
-
-def once_step_block(BD: int) -> int:
-    """Steps per tile of the backward that computes each step's gradient once."""
-    return max(2, ONCE_TILE_ELEMENTS // BD)
 
 
 def _channel_blocks(D: int, head_dim: int | None) -> tuple[int, int, int]:
@@ -364,40 +265,22 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
     B, T, D = x.shape
     W = weight.shape[1]
     CH, BD, channel_programs = _channel_blocks(D, head_dim)
-    BS = max(2, triton.next_power_of_2(W - 1))
-    BT = once_step_block(BD)
-    if BACKWARD_FORM == "once" and BS <= BT:
-        row_blocks = triton.cdiv(T, BT)
-        P = max(1, min(row_blocks, ONCE_BACKWARD_PROGRAMS // (B * channel_programs)))
-        span_blocks = triton.cdiv(row_blocks, P)
-        P = triton.cdiv(row_blocks, span_blocks)
-        return _launch_backward(_conv_backward_once_kernel, x, weight, bias, state, positions, mask, dy, head_dim, eps,
-                                BT, BD, CH, BS, channel_programs, P, (P, span_blocks, row_blocks), ONCE_BACKWARD_WARPS,
-                                torch.empty(B * channel_programs * P, 2 * BT, BD, dtype=torch.float32, device=x.device))
     BT = step_block(BD)
     row_blocks = triton.cdiv(T, BT)
     P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs)))
-    return _launch_backward(_conv_backward_kernel, x, weight, bias, state, positions, mask, dy, head_dim, eps,
-                            BT, BD, CH, BS, channel_programs, P, (P, row_blocks), BACKWARD_WARPS)
-
-
-def _launch_backward(kernel, x, weight, bias, state, positions, mask, dy, head_dim, eps, BT, BD, CH, BS,
-                     channel_programs, P, counts, warps, *scratch):
-    B, T, D = x.shape
-    W = weight.shape[1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
     d_state = None if state is None else torch.empty_like(state)
     f32 = dict(dtype=torch.float32, device=x.device)
     d_weight_parts = torch.empty(B * P, D, W, **f32)
     d_bias_parts = torch.empty(B * P, D, **f32) if bias is not None else d_weight_parts
-    kernel[(P, channel_programs, B)](
+    _conv_backward_kernel[(P, channel_programs, B)](
         x, weight, x if bias is None else bias, x if state is None else state,
         x if positions is None else positions, x if mask is None else mask, dy,
-        dx, d_weight_parts, d_bias_parts, dx if d_state is None else d_state, *scratch,
-        T, D, row_stride(x), eps, *counts,
-        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, BS=BS,
+        dx, d_weight_parts, d_bias_parts, dx if d_state is None else d_state,
+        T, D, row_stride(x), eps, P, row_blocks,
+        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
         **_flags(bias, state, positions, mask, head_dim),
-        num_warps=warps,
+        num_warps=BACKWARD_WARPS,
     )
     d_bias = d_bias_parts.sum(0) if bias is not None else None
     return dx, d_weight_parts.sum(0), d_bias, d_state

@@ -1,14 +1,12 @@
 """Triton forward kernels of the chunked GDN-2 form (see ``gdn2/algorithm.py`` for the mathematics).
 
-Five launches (four with ``FUSE_WY``):
+Five launches:
 
 * ``_diagonal_kernel`` (one program per 16-row sub-block and head, parallel): the diagonal 16x16
-  tiles of the erase interactions ``A`` (or, with ``DIAGONAL_INVERSE``, directly those of the
-  inverse ``X``) and of the query-key interactions ``P``;
+  tiles of the erase interactions ``A`` and of the query-key interactions ``P``;
 * ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
   and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``;
-* ``_wy_kernel`` (one program per chunk and head, parallel; with ``FUSE_WY`` the same work done
-  at the end of ``_intra_forward_kernel``): the decayed queries and keys the
+* ``_wy_kernel`` (one program per chunk and head, parallel): the decayed queries and keys the
   sequential pass and the output use, ``qd = q * exp(G)``, ``kd = k * exp(G_last - G)``,
   ``gamma = exp(G_last)``, and the WY products ``Wk = X (b * k * exp(G))`` and ``Uw = X (w * v)``;
 * ``state_forward`` (one program per head and block of value columns, sequential over chunks):
@@ -48,17 +46,11 @@ CHUNK = 64
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 2
 DIAGONAL_WARPS = 2
-DIAGONAL_UNROLL = True  # the diagonal kernel's row loop unrolled
-DIAGONAL_INVERSE = False  # the diagonal kernel writes the diagonal tiles of X (not of A)
 WY_WARPS = 4
 WY_BLOCK = 64
-WY_KEY_BLOCK = None  # key columns per step of the WY kernel's key loop (None: WY_BLOCK)
-WY_VALUE_BLOCK = None  # value columns per step of its value loop (None: WY_BLOCK)
-FUSE_WY = False  # the WY kernel's work done by the intra-forward kernel, in the same launch
-FUSED_WY_WARPS = 4  # warps of that fused launch
 INTRA_FORWARD_KEY_BLOCK = 16
 STATE_WARPS = 4
-STATE_STAGES = 2  # loads of the sequential passes issued this many chunks ahead (1: none)
+STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
@@ -174,18 +166,14 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, PACKED: tl.constexpr,
-    UNROLL: tl.constexpr, INVERSE: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program, one row i at a time: ``E[j] = exp(g_{j+1} + ... + g_i)`` for every
     column j < i is the previous row's times ``exp(g_i)`` (products of per-step decays: every pair
     keeps its own span, a hard reset zeroes the spans through it, and a bad value at step s
-    reaches rows s and later only). Entries above the row's diagonal are selected away.
-
-    ``UNROLL``: the row loop unrolled, so that the rows' loads and reductions overlap (only the
-    one multiplication of E carries from row to row). ``INVERSE``: instead of ``A``'s tile, its
-    inverse ``(I + A_II)^{-1}`` by forward substitution, row i as soon as ``A``'s row i exists
-    (the same order as ``_inverse_unit_lower_16_four``)."""
+    reaches rows s and later only). Entries above the row's diagonal are selected away. The row
+    loop is unrolled, so that the rows' loads and reductions overlap (only the one multiplication
+    of E carries from row to row)."""
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
@@ -207,37 +195,16 @@ def _diagonal_kernel(
     b += sequence
     E = tl.zeros((16, BK), dtype=tl.float32)
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
-    inverse = (r[:, None] == r[None, :]).to(tl.float32)
-    if UNROLL:
-        for i in tl.static_range(16):
-            E, inverse = _diagonal_row(q, k, g, b, P_out, A_out, first, end, HK, cols, col_ok, k_tile, E, inverse, tile, i, INVERSE)
-    else:
-        for i in range(16):
-            E, inverse = _diagonal_row(q, k, g, b, P_out, A_out, first, end, HK, cols, col_ok, k_tile, E, inverse, tile, i, INVERSE)
-    if INVERSE:
-        tl.store(A_out + tile + r[:, None] * 64 + r[None, :], inverse)
-
-
-@triton.jit
-def _diagonal_row(q, k, g, b, P_out, A_out, first, end, HK, cols, col_ok, k_tile, E, inverse, tile, i, INVERSE: tl.constexpr):
-    """Row i of the diagonal tiles (see ``_diagonal_kernel``); returns the new E and inverse."""
-    r = tl.arange(0, 16)
-    row = (first + i) * HK + cols  # the pointers are at the sequence and head already
-    row_ok = col_ok & (first + i + 0 * cols < end)  # a vector: the interpreter needs one
-    decay = tl.exp(_load_decay(g + row, row_ok))
-    q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
-    bk_i = _load_finite(b + row, row_ok) * _load_finite(k + row, row_ok)
-    E = tl.where(r[:, None] < i, E * decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
-    k_E = k_tile * E
-    a_row = tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0)  # A[i, j], indexed by j
-    tl.store(P_out + tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
-    if INVERSE:
-        # inverse[i, :] = e_i - sum_{j < i} A[i, j] inverse[j, :] (rows j < i are final)
-        update = tl.sum(a_row[:, None] * inverse, 0)
-        inverse = tl.where(r[:, None] == i, inverse - update[None, :], inverse)
-    else:
-        tl.store(A_out + tile + i * 64 + r, a_row)
-    return E, inverse
+    for i in tl.static_range(16):
+        row = (first + i) * HK + cols  # the pointers are at the sequence and head already
+        row_ok = col_ok & (first + i + 0 * cols < end)  # a vector: the interpreter needs one
+        decay = tl.exp(_load_decay(g + row, row_ok))
+        q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
+        bk_i = _load_finite(b + row, row_ok) * _load_finite(k + row, row_ok)
+        E = tl.where(r[:, None] < i, E * decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
+        k_E = k_tile * E
+        tl.store(A_out + tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
+        tl.store(P_out + tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
 
 
 @triton.jit
@@ -250,15 +217,10 @@ def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
 def _intra_forward_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, X_out,  # [B, H, N, 64, 64] float32
-    v, w, qd_out, kd_out, Wk_out, Uw_out, gamma_out, first_bad_out,  # for FUSE_WY: as _wy_kernel's
-    chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, DIAGONAL_INVERSE: tl.constexpr,
-    FUSE_WY: tl.constexpr, WY_BK: tl.constexpr, WY_BV: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``. With
-    ``FUSE_WY``, then also the work of ``_wy_kernel`` for the chunk (X read back from the
-    just-written buffer, in L1/L2; q, k, g, b once more, from L2): one launch less and no
-    round trip of X through device memory between launches."""
+    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -321,14 +283,8 @@ def _intra_forward_kernel(
     # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written),
     # the others by the blocked formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32).
     matrix = X_out + (i_bh * N + i_n) * 64 * 64
-    if DIAGONAL_INVERSE:  # _diagonal_kernel wrote the diagonal tiles' inverses
-        X00 = _load_tile(matrix, 0, 0)
-        X11 = _load_tile(matrix, 1, 1)
-        X22 = _load_tile(matrix, 2, 2)
-        X33 = _load_tile(matrix, 3, 3)
-    else:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-            _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
+    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+        _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
     X10 = -_ieee(X11, _ieee(A10, X00))
     X21 = -_ieee(X22, _ieee(A21, X11))
     X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
@@ -367,10 +323,6 @@ def _intra_forward_kernel(
     _store_tile(matrix, 3, 1, X31)
     _store_tile(matrix, 3, 2, X32)
     _store_tile(matrix, 3, 3, X33)
-    if FUSE_WY:
-        tl.debug_barrier()  # X's tiles, written by every thread of the program, are read back whole
-        _wy_chunk(q, k, v, g, b, w, X_out, qd_out, kd_out, Wk_out, Uw_out, gamma_out, first_bad_out,
-                  i_n, i_bh, chunk_table, T, H, K, V, N, WY_BK, WY_BV, DOT, PACKED)
 
 
 @triton.jit
@@ -389,16 +341,8 @@ def _wy_kernel(
     from the chunk's start) and the decay to the chunk's end are cumulative sums of g over
     their own spans. Also where the chunk's inputs first go bad: a non-finite k or b, a NaN or
     +inf g (any key channel: every value column), a non-finite v or w (its own column)."""
-    _wy_chunk(q, k, v, g, b, w, X, qd_out, kd_out, Wk_out, Uw_out, gamma_out, first_bad_out,
-              tl.program_id(0), tl.program_id(1).to(tl.int64), chunk_table, T, H, K, V, N, BK, BV, DOT, PACKED)
-
-
-@triton.jit
-def _wy_chunk(q, k, v, g, b, w, X, qd_out, kd_out, Wk_out, Uw_out, gamma_out, first_bad_out,
-              i_n, i_bh, chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-              BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr):
-    """The work of ``_wy_kernel`` for chunk ``i_n`` of row ``i_bh`` (also run by
-    ``_intra_forward_kernel`` right after it has written X, with ``FUSE_WY``)."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
     rows = tl.arange(0, 64)
@@ -477,22 +421,18 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     table, packed = _table(chunk_table, P), chunk_table is not None
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, X, table, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), PACKED=packed,
-        UNROLL=DIAGONAL_UNROLL, INVERSE=DIAGONAL_INVERSE, num_warps=DIAGONAL_WARPS, num_stages=1,
+        num_warps=DIAGONAL_WARPS, num_stages=1,
     )
     BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    wy_key_block = min(WY_KEY_BLOCK or WY_BLOCK, max(16, triton.next_power_of_2(K)))
-    wy_value_block = min(WY_VALUE_BLOCK or WY_BLOCK, max(16, triton.next_power_of_2(V)))
     _intra_forward_kernel[(N, B * H)](
-        q, k, g, b, P, X, v, w, qd, kd, Wk, Uw, gamma, first_bad, table, T, H, K, V, N, BK=BK,
-        DOT=dot_precision, PACKED=packed, DIAGONAL_INVERSE=DIAGONAL_INVERSE,
-        FUSE_WY=FUSE_WY, WY_BK=wy_key_block, WY_BV=wy_value_block,
-        num_warps=FUSED_WY_WARPS if FUSE_WY else INTRA_FORWARD_WARPS, num_stages=1,
+        q, k, g, b, P, X, table, T, H, K, N, BK=BK, DOT=dot_precision, PACKED=packed,
+        num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
-    if not FUSE_WY:
-        _wy_kernel[(N, B * H)](
-            q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, first_bad, table, T, H, K, V, N,
-            BK=wy_key_block, BV=wy_value_block, DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
-        )
+    _wy_kernel[(N, B * H)](
+        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, first_bad, table, T, H, K, V, N,
+        BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
+        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
+    )
 
 
 @triton.jit
@@ -564,7 +504,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         states, U, final_state if final_state is not None else states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        PACKED=sequence_chunks is not None, STAGES=STATE_STAGES, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1, num_warps=STATE_WARPS, num_stages=1,
     )
 
 
