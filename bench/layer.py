@@ -501,7 +501,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--saved-tokens", type=int, default=64, help="tokens measured with --saved (default 64)")
     parser.add_argument("--resources", action="store_true",
                         help="compile the glue kernels for sm_90a and print registers, spills, shared memory; no timing")
+    parser.add_argument("--operator-inputs", choices=["float32", "projections"], default=None,
+                        help="the dtype of q, k, v, b, w handed to the operator (gdn2.torch.layer.OPERATOR_INPUT_DTYPE; "
+                             f"default {layer_module.OPERATOR_INPUT_DTYPE})")
     args = parser.parse_args(argv)
+    if args.operator_inputs is not None:
+        layer_module.OPERATOR_INPUT_DTYPE = args.operator_inputs
     sizes = SMALL if args.small else FULL
     for name, value in sizes.items():
         least = 0 if name == "warmup" else 1
@@ -532,11 +537,12 @@ def main(argv=None) -> list[dict]:
         print(f"note: {fla_problem}: timing gdn2 only", flush=True)
     meta = dict(device=torch.cuda.get_device_name(device.device) if device.cuda else platform.processor() or "cpu",
                 torch=torch.__version__, fla=None if fla_problem else _fla_version(), dtype=args.dtype,
-                sizes={key: getattr(args, key) for key in FULL}, compile=args.compile)
+                sizes={key: getattr(args, key) for key in FULL}, compile=args.compile,
+                operator_inputs=layer_module.OPERATOR_INPUT_DTYPE)
     rows = []
     if not args.skip_layer:
         print(f"layer: hidden {args.hidden}, {args.heads} heads x {args.head_dim}, B={args.B} T={args.T}, {args.dtype}, "
-              f"median of {args.repeats} after {args.warmup} warm-up", flush=True)
+              f"median of {args.repeats} after {args.warmup} warm-up, operator inputs {layer_module.OPERATOR_INPUT_DTYPE}", flush=True)
         rows += bench_layers(args, device, fla_class)
     if not args.skip_lm:
         print(f"language model: {args.lm_layers} layers, hidden {args.lm_hidden}, {args.lm_heads} heads x {args.head_dim}, "
