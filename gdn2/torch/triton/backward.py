@@ -15,10 +15,9 @@
   ``P`` (span sums through the row before a sub-block off the diagonal, products of per-step
   decays inside it), then dg's sums over the chunk. P's diagonal and the k-to-end and gamma terms
   go straight to dq, dk and dg (they cancel in dG only to rounding). The pairs inside a sub-block
-  go one row (keys' side) and one column (rows' side) per step, in two loops or one
-  (``INTRA_BACKWARD_KEYS_MERGED``), each step's rows loaded in the step or one step ahead
-  (``INTRA_BACKWARD_KEYS_PREFETCH``): a step's arithmetic is short, and without a prefetch
-  each step waits for its own loads.
+  go one row (keys' side) and one column (rows' side) per step, in one loop, each step's rows
+  loaded one step ahead: a step's arithmetic is short, and without the prefetch each step waits
+  for its own loads (H200: 13.20 ms forward+backward with two loops and no prefetch, 12.36 so).
 """
 
 from __future__ import annotations
@@ -107,17 +106,6 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32
-# The keys launch's pairs inside a sub-block: rows and columns in one loop (1) or two (0); each
-# step's rows loaded one step ahead (1) or in the step (0); the launch's num_stages. H200, forward
-# + backward at B=8 T=4096 H=16 K=V=128 bf16: 13.20 ms with 0, 0; 12.99 prefetch; 12.62 merged;
-# 12.36 both (bench/RESULTS.md).
-INTRA_BACKWARD_KEYS_MERGED = 1
-INTRA_BACKWARD_KEYS_PREFETCH = 1
-INTRA_BACKWARD_KEYS_STAGES = 1
-# num_stages of the contraction and value launches (their loops over value blocks feed dots: with
-# 2 or more, Triton loads the next block's tiles while the current one is multiplied).
-INTRA_BACKWARD_CONTRACT_STAGES = 1
-INTRA_BACKWARD_VALUES_STAGES = 1
 
 @triton.jit
 def _intra_backward_contract_kernel(
@@ -316,7 +304,6 @@ def _intra_backward_keys_kernel(
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
     BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    MERGED_STEPS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -389,59 +376,24 @@ def _intra_backward_keys_kernel(
     # Pairs inside I, without sums across rows: one row i at a time for the keys' side (``E[j] =
     # exp(g_{j+1} + ... + g_i)``, the previous row's times ``exp(g_i)``), one column j at a time,
     # last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next column's times
-    # ``exp(g_{j+1})``). With MERGED_STEPS both in one loop (step s: row s and column 15 - s), so
-    # that their loads wait together; with PREFETCH each step's rows are loaded one step ahead.
+    # ``exp(g_{j+1})``). Both in one loop (step s: row s and column 15 - s), so that their loads
+    # wait together, and each step's rows loaded one step ahead: a step's arithmetic is short.
     k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
     E = tl.zeros((16, BKB), dtype=tl.float32)
     F = tl.zeros((16, BKB), dtype=tl.float32)
-    if MERGED_STEPS:
-        if PREFETCH:
-            g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-                q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
-            g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-                k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
-            for s in range(16):
-                g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
-                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
-                g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
-                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
-                E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
-                g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
-                g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
-        else:
-            for s in range(16):
-                g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s)
-                g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15 - s)
-                E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
-    else:
-        if PREFETCH:
-            g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-                q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
-            for i in range(16):
-                g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
-                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, i + 1)
-                E, d_k_pair = _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-                g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
-            g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-                k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
-            for step in range(16):
-                g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
-                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - step)
-                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - step, g_next, k_j, d_A_column, d_P_column)
-                g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
-        else:
-            for i in range(16):
-                g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-                    q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, i)
-                E, d_k_pair = _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-            for step in range(16):
-                g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-                    k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15 - step)
-                F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - step, g_next, k_j, d_A_column, d_P_column)
+    g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+        q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
+    g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+        k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
+    for s in range(16):
+        g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
+            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
+        g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
+            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
+        E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+        F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
+        g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
+        g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
 
     q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
     b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
@@ -531,7 +483,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=INTRA_BACKWARD_CONTRACT_STAGES,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
@@ -547,7 +499,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=INTRA_BACKWARD_VALUES_STAGES,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return dv, dw, d_A, d_P
 
@@ -562,9 +514,8 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
-        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, MERGED_STEPS=bool(INTRA_BACKWARD_KEYS_MERGED),
-        PREFETCH=bool(INTRA_BACKWARD_KEYS_PREFETCH), num_warps=INTRA_BACKWARD_KEYS_WARPS,
-        num_stages=INTRA_BACKWARD_KEYS_STAGES,
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=INTRA_BACKWARD_KEYS_WARPS,
+        num_stages=1,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
         d_qd, sub_block_sums, gamma, d_gamma, dg, _table(chunk_table, q), T, H, K, N, BKB=BKB,
