@@ -125,6 +125,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 OPERATOR_INPUT_DTYPE = "float32"
 
 
+def _linear_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the layer's linear maps compute in on input ``x``: autocast's, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class GatedDeltaNet2(nn.Module):
     """Gated DeltaNet-2 token mixer: ``[B, T, hidden_size] -> [B, T, hidden_size]``.
 
@@ -297,11 +303,9 @@ class GatedDeltaNet2(nn.Module):
 
             from .triton.norm import gated_rms_norm
 
-            # Written straight in the dtype o_proj computes in (autocast's, else the input's).
-            device = x.device.type
-            out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+            # Written straight in the dtype o_proj computes in.
             try:
-                normed = gated_rms_norm(o, gate, self.o_norm.weight, eps=self.o_norm.eps, out_dtype=out_dtype)
+                normed = gated_rms_norm(o, gate, self.o_norm.weight, eps=self.o_norm.eps, out_dtype=_linear_dtype(x))
             except TritonError as error:
                 _glue_failed(error)
         if normed is None:
@@ -361,9 +365,7 @@ class GatedDeltaNet2(nn.Module):
         k = l2_normalize(k.float().view(B, T, H, K))
         v = v.float().view(B, T, HV, V)
         if OPERATOR_INPUT_DTYPE != "float32":  # the projections' dtype, as the fused glue writes them
-            device = x.device.type
-            store = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-            q, k, v, b, w = (t.to(store) for t in (q, k, v, b, w))
+            q, k, v, b, w = (t.to(_linear_dtype(x)) for t in (q, k, v, b, w))
         return q, k, v, g, b, w, conv_states
 
     def _fused_inputs(self, x, mask, conv_states, positions, keep_conv_states: bool):
