@@ -119,11 +119,18 @@ def _inverse_unit_lower_16_four(A0, A1, A2, A3):
     X3 = X0
     for i in range(1, 16):
         at_i = r[:, None] == i
-        X0 = tl.where(at_i, X0 - tl.sum(tl.sum(tl.where(at_i, A0, 0.0), 0)[:, None] * X0, 0)[None, :], X0)
-        X1 = tl.where(at_i, X1 - tl.sum(tl.sum(tl.where(at_i, A1, 0.0), 0)[:, None] * X1, 0)[None, :], X1)
-        X2 = tl.where(at_i, X2 - tl.sum(tl.sum(tl.where(at_i, A2, 0.0), 0)[:, None] * X2, 0)[None, :], X2)
-        X3 = tl.where(at_i, X3 - tl.sum(tl.sum(tl.where(at_i, A3, 0.0), 0)[:, None] * X3, 0)[None, :], X3)
+        X0 = _substitute_row(X0, A0, at_i)
+        X1 = _substitute_row(X1, A1, at_i)
+        X2 = _substitute_row(X2, A2, at_i)
+        X3 = _substitute_row(X3, A3, at_i)
     return X0, X1, X2, X3
+
+
+@triton.jit
+def _substitute_row(X, A, at_i):
+    """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it: ``X[i] -= sum_j A[i, j] X[j]``."""
+    a_row = tl.sum(tl.where(at_i, A, 0.0), 0)  # A[i, :] indexed by column j
+    return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
 
 
 @triton.jit
@@ -186,13 +193,13 @@ def _diagonal_kernel(
     HK = H * K
     chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     first = chunk_first + I * 16  # the sub-block's first token
-    rows = i_b * T * HK + i_h * K + (first + r)[:, None] * HK + cols[None, :]
-    k_tile = _load_finite(k + rows, (first + r < end)[:, None] & col_ok[None, :])
     sequence = i_b * T * HK + i_h * K
     q += sequence
     k += sequence
     g += sequence
     b += sequence
+    rows = (first + r)[:, None] * HK + cols[None, :]
+    k_tile = _load_finite(k + rows, (first + r < end)[:, None] & col_ok[None, :])
     E = tl.zeros((16, BK), dtype=tl.float32)
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     for i in tl.static_range(16):
