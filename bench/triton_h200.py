@@ -23,6 +23,7 @@ autotunes for minutes per new shape in a fresh process; ``TRITON_CACHE_AUTOTUNIN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -131,6 +132,16 @@ def bench_ms(fn, rep_ms=400):
     return float(triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median"))
 
 
+@contextlib.contextmanager
+def no_fallback():
+    """A kernel that gives way to the chunk path warns once (a RuntimeWarning): inside this, the
+    once-only log is emptied and that warning raises."""
+    forget_announcements()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield
+
+
 def time_one(function, shape, dtype=torch.bfloat16, strict=False):
     """Forward and forward+backward median ms and the peak memory of one forward+backward.
     ``strict`` (gdn2's kernel path): a fallback to the chunk path in the warm-up call is an error,
@@ -151,9 +162,7 @@ def time_one(function, shape, dtype=torch.bfloat16, strict=False):
     forward_backward()  # compile / autotune outside the timing
     torch.cuda.synchronize()
     if strict:
-        forget_announcements()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)
+        with no_fallback():
             forward_backward()
     fwd = bench_ms(forward)
     fwd_bwd = bench_ms(forward_backward)
@@ -242,11 +251,7 @@ def main():
     def checked(name, function, dtype, index):
         shape = CHECK_SHAPES[index]
         try:
-            # A kernel that gives way to the chunk path warns once (RuntimeWarning): an error here,
-            # so that a fallback is never reported as the kernel's accuracy.
-            forget_announcements()
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", RuntimeWarning)
+            with no_fallback():  # a fallback is never reported as the kernel's accuracy
                 errors = check(function, shape, dtype, args.seed + index)
         except Exception as error:  # report, keep going
             errors = {"error": f"{type(error).__name__}: {error}"[:300]}
