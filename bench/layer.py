@@ -45,6 +45,7 @@ FLA_ARGUMENTS = ("hidden_size", "expand_v", "head_dim", "num_heads", "num_v_head
                  "allow_neg_eigval", "conv_size", "conv_bias", "norm_eps")
 FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
             lm_layers=4, lm_hidden=1024, lm_heads=8, lm_vocab=32000, lm_B=8, lm_T=2048, repeats=20, warmup=3)
+OPERATOR_INPUTS = ("float32", "projections")
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
              lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)
 
@@ -176,9 +177,10 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
     x = torch.randn(args.B, args.T, args.hidden, generator=generator, device=device.device, dtype=dtype).requires_grad_(True)
     d_out = torch.randn(x.shape, generator=generator, device=device.device, dtype=dtype)
     rows, first = [], None
-    for name, layer in layers.items():
-        row = {"what": "layer", "name": name}
-        if name == "gdn2":
+    for name, layer, setting in gdn2_rows(layers.items(), args.operator_inputs):
+        layer_module.OPERATOR_INPUT_DTYPE = setting
+        row = {"what": "layer", "name": name, "operator_inputs": setting}
+        if name.startswith("gdn2") and layer.use_kernels:
             choice = layer.which_glue(x)
             row["glue"] = str(choice)
             if choice.path != "kernels":
@@ -204,8 +206,19 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
     return rows
 
 
+def gdn2_rows(items, settings: list[str]):
+    """``(name, thing, operator-input setting)`` for each row: the gdn2 rows once per setting (named
+    with it when there are several), the others once (their setting is unused)."""
+    for name, thing in items:
+        if not name.startswith("gdn2") or len(settings) == 1:
+            yield name, thing, settings[0]
+        else:
+            for setting in settings:
+                yield f"{name} [{setting}]", thing, setting
+
+
 def layer_line(row: dict) -> str:
-    text = (f"{row['name']:16s} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms  "
+    text = (f"{row['name']:30s} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms  "
             f"glue fwd {row['glue_forward_ms']:7.2f} / fwd+bwd {row['glue_forward_backward_ms']:7.2f} ms")
     if row.get("peak_gib") is not None:
         text += f"  peak {row['peak_gib']:.2f} GiB"
@@ -238,15 +251,16 @@ def bench_language_models(args, device: Device, fla_class) -> list[dict]:
     tokens = torch.randint(0, args.lm_vocab, (args.lm_B, args.lm_T + 1), generator=generator, device=device.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     rows = []
-    for kind in kinds:
-        row = {"what": "language model step", "name": kind, "B": args.lm_B, "T": args.lm_T}
+    for name, kind, setting in gdn2_rows(((kind, kind) for kind in kinds), args.operator_inputs):
+        layer_module.OPERATOR_INPUT_DTYPE = setting
+        row = {"what": "language model step", "name": name, "operator_inputs": setting, "B": args.lm_B, "T": args.lm_T}
         model = language_model(args, device, fla_class, kind)
         if kind == "gdn2":
             choice = model.layers[0].attn.which_glue(torch.empty(1, 1, args.lm_hidden, device=device.device))
             if choice.path != "kernels":
                 row["skipped"] = f"fused glue kernels cannot run: {choice.reason}"
                 rows.append(row)
-                print(f"  {kind}: skipped ({row['skipped']})", flush=True)
+                print(f"  {name}: skipped ({row['skipped']})", flush=True)
                 continue
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.cuda)
         forward = torch.compile(model) if args.compile else model
@@ -265,7 +279,7 @@ def bench_language_models(args, device: Device, fla_class) -> list[dict]:
         row["tokens_per_second"] = args.lm_B * args.lm_T / (row["step_ms"] / 1e3)
         rows.append(row)
         peak = f"  peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""
-        print(f"  {kind:16s} step {row['step_ms']:8.2f} ms  {row['tokens_per_second']:12,.0f} tokens/s{peak}", flush=True)
+        print(f"  {name:30s} step {row['step_ms']:8.2f} ms  {row['tokens_per_second']:12,.0f} tokens/s{peak}", flush=True)
         del model, optimizer, forward
     return rows
 
@@ -501,12 +515,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--saved-tokens", type=int, default=64, help="tokens measured with --saved (default 64)")
     parser.add_argument("--resources", action="store_true",
                         help="compile the glue kernels for sm_90a and print registers, spills, shared memory; no timing")
-    parser.add_argument("--operator-inputs", choices=["float32", "projections"], default=None,
-                        help="the dtype of q, k, v, b, w handed to the operator (gdn2.torch.layer.OPERATOR_INPUT_DTYPE; "
-                             f"default {layer_module.OPERATOR_INPUT_DTYPE})")
+    parser.add_argument("--operator-inputs", default=None,
+                        help="the dtype of q, k, v, b, w handed to the operator (gdn2.torch.layer.OPERATOR_INPUT_DTYPE: "
+                             f"float32 or projections; default {layer_module.OPERATOR_INPUT_DTYPE}); a comma list "
+                             "times the gdn2 rows once per setting, in one run")
     args = parser.parse_args(argv)
-    if args.operator_inputs is not None:
-        layer_module.OPERATOR_INPUT_DTYPE = args.operator_inputs
+    settings = [layer_module.OPERATOR_INPUT_DTYPE] if args.operator_inputs is None else args.operator_inputs.split(",")
+    for setting in settings:
+        if setting not in OPERATOR_INPUTS:
+            parser.error(f"--operator-inputs: expected a comma list of {', '.join(OPERATOR_INPUTS)}, received {setting!r}")
+    args.operator_inputs = settings
+    layer_module.OPERATOR_INPUT_DTYPE = settings[0]  # --check and --saved use the first
     sizes = SMALL if args.small else FULL
     for name, value in sizes.items():
         least = 0 if name == "warmup" else 1
@@ -538,11 +557,11 @@ def main(argv=None) -> list[dict]:
     meta = dict(device=torch.cuda.get_device_name(device.device) if device.cuda else platform.processor() or "cpu",
                 torch=torch.__version__, fla=None if fla_problem else _fla_version(), dtype=args.dtype,
                 sizes={key: getattr(args, key) for key in FULL}, compile=args.compile,
-                operator_inputs=layer_module.OPERATOR_INPUT_DTYPE)
+                operator_inputs=args.operator_inputs)
     rows = []
     if not args.skip_layer:
         print(f"layer: hidden {args.hidden}, {args.heads} heads x {args.head_dim}, B={args.B} T={args.T}, {args.dtype}, "
-              f"median of {args.repeats} after {args.warmup} warm-up, operator inputs {layer_module.OPERATOR_INPUT_DTYPE}", flush=True)
+              f"median of {args.repeats} after {args.warmup} warm-up, operator inputs {', '.join(args.operator_inputs)}", flush=True)
         rows += bench_layers(args, device, fla_class)
     if not args.skip_lm:
         print(f"language model: {args.lm_layers} layers, hidden {args.lm_hidden}, {args.lm_heads} heads x {args.head_dim}, "

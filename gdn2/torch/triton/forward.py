@@ -472,14 +472,16 @@ def _state_forward_kernel(
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
-        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
-        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
+        # Products in float32 (TF32) whatever the saved dtype: with bfloat16 operands, Triton 3.6
+        # built this loop wrong for the H200 (non-finite states, illegal memory accesses).
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        U -= tl.dot(Wk_tile, state.to(Wk_tile.dtype), input_precision=DOT)
+        U -= tl.dot(Wk_tile, state, input_precision=DOT)
         U = U.to(U_out.dtype.element_ty)
         tl.store(U_out + values, U, mask=v_ok[None, :])
-        state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(kd_tile.dtype), input_precision=DOT)
+        state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(tl.float32), input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
         poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
@@ -530,16 +532,17 @@ def _output_kernel(
     cols_v = i_v * BV + tl.arange(0, BV)
     v_ok = cols_v < V
     row0 = i_bh * N * 64 + i_n * 64
-    U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
+    # Products in float32 (TF32) whatever the saved dtype, as in the state pass.
+    U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0).to(tl.float32)
     P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
-    out = tl.dot(P_tile.to(U_tile.dtype), U_tile, input_precision=DOT)
+    out = tl.dot(P_tile, U_tile, input_precision=DOT)
     state_base = (i_bh * N + i_n) * K * V
     for k0 in range(0, K, BK):
         cols_k = k0 + tl.arange(0, BK)
         k_ok = cols_k < K
         qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
         S = tl.load(states + state_base + cols_k[:, None] * V + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        out += tl.dot(qd_tile, S.to(qd_tile.dtype), input_precision=DOT)
+        out += tl.dot(qd_tile.to(tl.float32), S.to(tl.float32), input_precision=DOT)
     # From a chunk's first bad input on (per value column), the outputs are NaN, as on the
     # reference path; the rows before it are the clean run's.
     poisoned_from = tl.load(first_bad + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=64)
