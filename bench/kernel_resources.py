@@ -140,8 +140,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         dict(qd=saved("qd"), kd=saved("kd"), Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32,
              chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             STAGES=bw.STATE_BACKWARD_STAGES),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
     )
     blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),
