@@ -412,10 +412,13 @@ def test_layer_with_kernels_and_padding_or_packed_sequences(seed):
     compare_layer(layer, packed, TIGHT, cu_seqlens=torch.tensor([0, 1, 12, 26]))
 
 
-def test_layer_with_kernels_under_bfloat16_autocast(seed):
+@pytest.mark.parametrize("operator_inputs", ["projections", "float32"])
+def test_layer_with_kernels_under_bfloat16_autocast(operator_inputs, monkeypatch, seed):
     """Both codes under bf16 autocast against the plain layer in float32: the kernels (float32
-    math on bf16 projections) no less accurate than the plain code (bf16 convolution and SiLU).
-    Weight gradients summed over many rounded terms (A_log) carry errors of a few percent in both."""
+    math on bf16 projections) no less accurate than the plain code (bf16 convolution and SiLU),
+    with either dtype of the operator's inputs. Weight gradients summed over many rounded terms
+    (A_log) carry errors of a few percent in both."""
+    monkeypatch.setattr(layer_module, "OPERATOR_INPUT_DTYPE", operator_inputs)
     layer = random_layer(MIXERS["plain"], seed)
     x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(seed))
     d_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
