@@ -6,6 +6,7 @@ training step with each.
     python bench/layer.py --resources                    # glue kernels' sm_90a registers and spills, no GPU
     python bench/layer.py --device cuda --check          # fused glue = plain glue on the GPU, every gradient
     python bench/layer.py --saved                        # what the layer saves for its backward (CPU), by tensor
+    python bench/layer.py --device cuda --skip-lm --profile   # with each layer row, its kernels' GPU times
 
 Layer rows (the layer's parameters and input in ``--dtype``): ``fla`` (``fla.layers.gdn2.GatedDeltaNet2``,
 when flash-linear-attention is installed; our layer loads its ``state_dict``), ``gdn2`` (the
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from gdn2.testing import median_ms
+from gdn2.testing import cuda_kernel_times, median_ms
 from gdn2.torch import layer as layer_module
 from gdn2.torch.layer import GatedDeltaNet2, GDN2LanguageModel
 from gdn2.weights import ModelConfig
@@ -157,6 +158,15 @@ def time_layer(layer, x, d_out, device: Device, repeats: int, warmup: int) -> di
     return row
 
 
+def profile_layer(layer, x, d_out) -> list[dict]:
+    """GPU time per kernel of one forward+backward (``torch.profiler``)."""
+    def forward_backward():
+        x.grad = None
+        output_of(layer, x).backward(d_out)
+
+    return cuda_kernel_times(forward_backward)
+
+
 def bench_layers(args, device: Device, fla_class) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     config = dict(hidden_size=args.hidden, head_dim=args.head_dim, num_heads=args.heads, expand_v=1.0,
@@ -203,6 +213,10 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
         row["glue_forward_ms"], row["glue_forward_backward_ms"] = glue["forward_ms"], glue["forward_backward_ms"]
         rows.append(row)
         print("  " + layer_line(row), flush=True)
+        if args.profile and device.cuda:
+            row["profile"] = profile_layer(layer, x, d_out)
+            for entry in row["profile"]:
+                print(f"      {entry['ms']:8.4f} ms  {entry['calls']:3d} x  {entry['kernel']}", flush=True)
     return rows
 
 
@@ -506,6 +520,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--compile", action="store_true", help="torch.compile the language models")
     parser.add_argument("--skip-layer", action="store_true", help="language-model rows only")
     parser.add_argument("--skip-lm", action="store_true", help="layer rows only")
+    parser.add_argument("--profile", action="store_true",
+                        help="with each layer row, GPU time per kernel of one forward+backward (CUDA only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=OUT / "layer.json")
     parser.add_argument("--check", action="store_true",

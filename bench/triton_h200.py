@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gdn2.spec import reference_backward, reference_forward, random_inputs, relative_error
+from gdn2.testing import cuda_kernel_times
 from gdn2.paths import forget_announcements
 from gdn2.torch import chunk_gdn2, which_path
 import gdn2.torch.triton as triton_operator
@@ -176,8 +177,6 @@ def time_one(function, shape, dtype=torch.bfloat16, strict=False):
 
 def profile_one(function, shape, iterations=5, dtype=torch.bfloat16):
     """Per-kernel GPU time (ms per forward+backward) from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     inputs = timing_inputs(*shape, dtype)
     d_o = torch.randn_like(inputs[2])
 
@@ -187,19 +186,7 @@ def profile_one(function, shape, iterations=5, dtype=torch.bfloat16):
         o, _ = function(*inputs)
         o.backward(d_o)
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iterations):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if device_us > 0:
-            rows.append((event.key, device_us / 1000 / iterations, event.count // iterations))
-    rows.sort(key=lambda r: -r[1])
-    return [dict(kernel=name[:90], ms=round(ms, 4), calls=calls) for name, ms, calls in rows[:25]]
+    return cuda_kernel_times(step, iterations)
 
 
 def profile(result, implementations, save):

@@ -233,3 +233,24 @@ def median_ms(run: Callable[[], object], repeats: int, warmup: int = 1, sync: Ca
         sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def cuda_kernel_times(run: Callable[[], object], iterations: int = 5, top: int = 25) -> list[dict]:
+    """GPU time per call of ``run`` by kernel, from torch.profiler: ``[{kernel, ms, calls}]``, the
+    ``top`` largest first (``ms`` and ``calls`` per call of ``run``). One untimed call first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            run()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append((event.key, device_us / 1000 / iterations, event.count // iterations))
+    rows.sort(key=lambda r: -r[1])
+    return [dict(kernel=name[:90], ms=round(ms, 4), calls=calls) for name, ms, calls in rows[:top]]
