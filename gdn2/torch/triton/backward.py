@@ -329,33 +329,16 @@ def _inside_groups(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
     a cumulative sum from row ``e + 1`` and ``right_J`` the exp of a reverse cumulative sum of
     ``g_{j+1}`` inside group J, both at most 1; one matrix product per group J and side.
     Pairs in one group (offset 1 to 3): no sums across rows, only rows shifted by the offset,
-    loaded shifted; their decays are products of per-step decays."""
+    loaded shifted; their decays are products of per-step decays.
+    Live tiles are few on purpose (sm_90a, 4 warps: 128 registers so, 140 with the pairs in one
+    group last and both sides in one loop over J): the pairs in one group first, then the rows'
+    side and the keys' side in two loops over J, each computing its own left and right, and the
+    dA, dP tiles loaded masked (the keys' side transposed) in each step."""
     group = r // 4
     position = r % 4
-    q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
-    bk_I = _rows(b, first, end, HK, cols_k, k_ok, 0) * k_I
-    g_I = _rows(g, first, end, HK, cols_k, k_ok, 0)
-    g_next = _rows(g, first, end, HK, cols_k, k_ok, 1)
-    tile = (I * 16 + r)[:, None] * 64 + I * 16 + r[None, :]
-    d_A_tile = tl.load(d_A_scratch + tile)
-    d_P_tile = tl.load(d_P_scratch + tile)
-    for J in range(3):
-        e = 4 * J + 3
-        left = tl.exp(tl.cumsum(tl.where(r[:, None] > e, g_I, 0.0), 0))  # g_{e+1} + ... + g_i
-        in_J = (group == J) & (r < e)  # g_{j+1} for j + 1 <= e
-        right = tl.exp(tl.cumsum(tl.where(in_J[:, None], g_next, 0.0), 0, reverse=True))  # g_{j+1} + ... + g_e
-        across = (group[:, None] > J) & (group[None, :] == J)
-        d_A_J = tl.where(across, d_A_tile, 0.0)
-        d_P_J = tl.where(across, d_P_tile, 0.0)
-        k_right = k_I * right
-        d_bk_A += left * tl.dot(d_A_J, k_right, input_precision=DOT)
-        d_q_P += left * tl.dot(d_P_J, k_right, input_precision=DOT)
-        d_k_pair += right * (tl.dot(tl.trans(d_A_J), bk_I * left, input_precision=DOT)
-                             + tl.dot(tl.trans(d_P_J), q_I * left, input_precision=DOT))
-
     # Pairs in one group, offset d: the rows' side of row i reads row i - d (E = exp(g_{i-d+1}
     # + ... + g_i)), the keys' side of row j reads row j + d (F = exp(g_{j+1} + ... + g_{j+d})).
-    E = tl.exp(g_I)
+    E = tl.exp(_rows(g, first, end, HK, cols_k, k_ok, 0))
     F = tl.full((16, BKB), 1.0, tl.float32)
     for d in range(1, 4):
         E = E * tl.exp(_shifted_rows(g, first, end, HK, cols_k, k_ok, r, 1 - d, (position >= d - 1) & (d > 1)))
@@ -378,6 +361,34 @@ def _inside_groups(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
                     * _shifted_rows(k, first, end, HK, cols_k, k_ok, r, d, later_ok))
         pair = d_A_later[:, None] * bk_later + d_P_later[:, None] * q_later
         d_k_pair += tl.where(later_ok[:, None], pair * F, 0.0)
+
+    # Pairs in different groups; runtime loops over J (unrolled, every step's loads are issued at
+    # once and the registers spill).
+    g_I = _rows(g, first, end, HK, cols_k, k_ok, 0)
+    g_next = _rows(g, first, end, HK, cols_k, k_ok, 1)
+    tile = (I * 16 + r)[:, None] * 64 + I * 16 + r[None, :]
+    for J in range(3):
+        e = 4 * J + 3
+        left = tl.exp(tl.cumsum(tl.where(r[:, None] > e, g_I, 0.0), 0))  # g_{e+1} + ... + g_i
+        in_J = (group == J) & (r < e)  # g_{j+1} for j + 1 <= e
+        right = tl.exp(tl.cumsum(tl.where(in_J[:, None], g_next, 0.0), 0, reverse=True))  # g_{j+1} + ... + g_e
+        across = (group[:, None] > J) & (group[None, :] == J)
+        k_right = k_I * right
+        d_bk_A += left * tl.dot(tl.load(d_A_scratch + tile, mask=across, other=0.0), k_right, input_precision=DOT)
+        d_q_P += left * tl.dot(tl.load(d_P_scratch + tile, mask=across, other=0.0), k_right, input_precision=DOT)
+    q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
+    bk_I = _rows(b, first, end, HK, cols_k, k_ok, 0) * k_I
+    tile_T = (I * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA, dP)^T
+    for J in range(3):
+        e = 4 * J + 3
+        left = tl.exp(tl.cumsum(tl.where(r[:, None] > e, g_I, 0.0), 0))
+        in_J = (group == J) & (r < e)
+        right = tl.exp(tl.cumsum(tl.where(in_J[:, None], g_next, 0.0), 0, reverse=True))
+        across_T = (group[None, :] > J) & (group[:, None] == J)
+        d_A_J = tl.load(d_A_scratch + tile_T, mask=across_T, other=0.0)
+        d_P_J = tl.load(d_P_scratch + tile_T, mask=across_T, other=0.0)
+        d_k_pair += right * (tl.dot(d_A_J, bk_I * left, input_precision=DOT)
+                             + tl.dot(d_P_J, q_I * left, input_precision=DOT))
     return d_bk_A, d_q_P, d_k_pair
 
 
