@@ -31,6 +31,15 @@ def interpreter(monkeypatch, fresh_path_log):
     yield
 
 
+@pytest.fixture(params=["rows", "groups"])
+def keys_inside_form(request, monkeypatch):
+    """Each form of the keys launch's pairs inside a sub-block (backward.KEYS_INSIDE_FORM)."""
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(backward, "KEYS_INSIDE_FORM", request.param)
+    return request.param
+
+
 # (B, T, H, K, V, log decay range): T = 1, T not a multiple of 64, several chunks, K != V and
 # non-powers of two, head sizes 64 to 256, log decay down to -20 on every channel.
 SHAPES = [
@@ -75,7 +84,7 @@ def test_kernel_matches_spec_float32(shape, seed, interpreter):
 
 @kernel_only
 @pytest.mark.parametrize("T", [64, 70])
-def test_kernel_strong_decay_every_step(T, seed, interpreter):
+def test_kernel_strong_decay_every_step(T, seed, interpreter, keys_inside_form):
     """Every step decays by at least exp(-10): dg is tiny (~1e-5) and must not be swamped by
     rounding of the O(1) terms that cancel in it (P's diagonal, the k-to-end and last-row terms)."""
     case = make_case(1, T, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
@@ -108,11 +117,13 @@ def test_kernel_erase_gate_up_to_two_and_float16(seed, interpreter):
     assert error <= 2e-2, (seed, name, errors)
 
 
-# The keys launch at its default key block and at 64 columns (module constants of
-# gdn2.torch.triton.backward).
+# The keys launch at its default key block and at 64 columns, with each form of the pairs inside
+# a sub-block (module constants of gdn2.torch.triton.backward).
 KEYS_FORMS = [
     dict(),
     dict(INTRA_BACKWARD_KEYS_BLOCK=64),
+    dict(KEYS_INSIDE_FORM="groups"),
+    dict(KEYS_INSIDE_FORM="groups", INTRA_BACKWARD_KEYS_BLOCK=64),
 ]
 
 
@@ -210,7 +221,7 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
 
 
 @kernel_only
-def test_packed_sequences_on_the_kernel_path(interpreter, seed):
+def test_packed_sequences_on_the_kernel_path(interpreter, seed, keys_inside_form):
     """cu_seqlens through the Triton kernels (natively, one chunk table): equal to separate runs."""
     from gdn2.testing import packed_case, random_lengths
 
@@ -223,7 +234,7 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed):
 
 
 @kernel_only
-def test_native_packed_sequences_across_chunks(interpreter, seed):
+def test_native_packed_sequences_across_chunks(interpreter, seed, keys_inside_form):
     """Packed sequences run natively (no padded batch): sequences of several chunks, one of
     exactly one chunk, one token, an empty one; every output and gradient, initial and final
     states per sequence, against the spec on each sequence alone."""

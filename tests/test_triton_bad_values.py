@@ -32,9 +32,18 @@ def interpreter(monkeypatch, fresh_path_log):
     monkeypatch.delenv("GDN2_PATH", raising=False)
 
 
+@pytest.fixture(params=["rows", "groups"])
+def keys_inside_form(request, monkeypatch):
+    """Each form of the keys launch's pairs inside a sub-block (backward.KEYS_INSIDE_FORM)."""
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(backward, "KEYS_INSIDE_FORM", request.param)
+    return request.param
+
+
 @kernel_only
 @pytest.mark.parametrize("value", [-np.inf, -1e6], ids=["-inf", "-1e6"])
-def test_kernel_hard_reset(value, interpreter, seed):
+def test_kernel_hard_reset(value, interpreter, seed, keys_inside_form):
     """g = ``value`` on every channel at one step per slot; forward and every gradient, with a
     gradient into the final state, against the spec: within 1e-4 and at most twice the chunk
     path's error (every exponent a span sum, no difference of cumulative sums)."""
