@@ -29,3 +29,12 @@ def fresh_path_log():
     from gdn2 import paths
 
     paths.forget_announcements()
+
+
+@pytest.fixture(params=["rows", "groups"])
+def diagonal_form(request, monkeypatch):
+    """Each form of the Triton forward's diagonal tiles (``forward.DIAGONAL_FORM``)."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "DIAGONAL_FORM", request.param)
+    return request.param
