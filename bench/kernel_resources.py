@@ -115,9 +115,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
                  PACKED=packed),
         fk.WY_WARPS,
     )
+    if fk.DIAGONAL_FORM == "groups":
+        diagonal, diagonal_constants = fk._diagonal_groups_kernel, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed)
+    else:
+        diagonal, diagonal_constants = fk._diagonal_kernel, dict(K=K, BK=bk, PACKED=packed)
     out["diagonal"] = (
-        fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {},
-        dict(K=K, BK=bk, PACKED=packed),
+        diagonal, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {}, diagonal_constants,
         fk.DIAGONAL_WARPS,
     )
     out["state_forward"] = (

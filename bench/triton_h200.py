@@ -57,7 +57,13 @@ CHECK_SHAPES = [
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
-    dict(SAVED_IN_BFLOAT16=("states",)),  # the default before the decayed queries and keys went bf16
+    # the pairs inside a 16-row sub-block in groups of four rows (forward diagonal tiles, keys launch)
+    dict(KEYS_INSIDE_FORM="groups"),
+    dict(DIAGONAL_FORM="groups"),
+    dict(DIAGONAL_FORM="groups", DIAGONAL_WARPS=4),
+    dict(DIAGONAL_FORM="groups", DIAGONAL_KEY_BLOCK=16),
+    dict(DIAGONAL_FORM="groups", DIAGONAL_WARPS=4, DIAGONAL_KEY_BLOCK=64),
+    dict(DIAGONAL_FORM="groups", KEYS_INSIDE_FORM="groups", DIAGONAL_WARPS=4),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -31,15 +31,6 @@ def interpreter(monkeypatch, fresh_path_log):
     yield
 
 
-@pytest.fixture(params=["rows", "groups"])
-def keys_inside_form(request, monkeypatch):
-    """Each form of the keys launch's pairs inside a sub-block (backward.KEYS_INSIDE_FORM)."""
-    from gdn2.torch.triton import backward
-
-    monkeypatch.setattr(backward, "KEYS_INSIDE_FORM", request.param)
-    return request.param
-
-
 # (B, T, H, K, V, log decay range): T = 1, T not a multiple of 64, several chunks, K != V and
 # non-powers of two, head sizes 64 to 256, log decay down to -20 on every channel.
 SHAPES = [
@@ -70,7 +61,7 @@ def _inputs(case, dtype, with_state=True):
 
 @kernel_only
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}g{}".format(*s[:5], s[5][0]))
-def test_kernel_matches_spec_float32(shape, seed, interpreter):
+def test_kernel_matches_spec_float32(shape, seed, interpreter, inside_form):
     """Output, final state and every gradient (with a gradient into the final state)."""
     B, T, H, K, V, decay = shape
     case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
@@ -84,7 +75,7 @@ def test_kernel_matches_spec_float32(shape, seed, interpreter):
 
 @kernel_only
 @pytest.mark.parametrize("T", [64, 70])
-def test_kernel_strong_decay_every_step(T, seed, interpreter, keys_inside_form):
+def test_kernel_strong_decay_every_step(T, seed, interpreter, inside_form):
     """Every step decays by at least exp(-10): dg is tiny (~1e-5) and must not be swamped by
     rounding of the O(1) terms that cancel in it (P's diagonal, the k-to-end and last-row terms)."""
     case = make_case(1, T, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
@@ -94,7 +85,7 @@ def test_kernel_strong_decay_every_step(T, seed, interpreter, keys_inside_form):
 
 
 @kernel_only
-def test_kernel_bfloat16_and_no_initial_state(seed, interpreter):
+def test_kernel_bfloat16_and_no_initial_state(seed, interpreter, inside_form):
     """bfloat16 inputs (float32 accumulation) against the spec on the same, rounded inputs."""
     case = make_case(1, 50, 2, 32, 24, seed, log_decay_range=(-20.0, 0.0), with_state=False)
     case = _rounded_case(case, torch.bfloat16)
@@ -221,7 +212,7 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
 
 
 @kernel_only
-def test_packed_sequences_on_the_kernel_path(interpreter, seed, keys_inside_form):
+def test_packed_sequences_on_the_kernel_path(interpreter, seed, inside_form):
     """cu_seqlens through the Triton kernels (natively, one chunk table): equal to separate runs."""
     from gdn2.testing import packed_case, random_lengths
 
@@ -234,7 +225,7 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed, keys_inside_form
 
 
 @kernel_only
-def test_native_packed_sequences_across_chunks(interpreter, seed, keys_inside_form):
+def test_native_packed_sequences_across_chunks(interpreter, seed, inside_form):
     """Packed sequences run natively (no padded batch): sequences of several chunks, one of
     exactly one chunk, one token, an empty one; every output and gradient, initial and final
     states per sequence, against the spec on each sequence alone."""
