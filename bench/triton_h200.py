@@ -62,7 +62,6 @@ VARIANTS: list[dict] = [
     dict(DIAGONAL_FORM="groups"),
     dict(DIAGONAL_FORM="groups", DIAGONAL_WARPS=4),
     dict(DIAGONAL_FORM="groups", DIAGONAL_KEY_BLOCK=16),
-    dict(DIAGONAL_FORM="groups", DIAGONAL_WARPS=4, DIAGONAL_KEY_BLOCK=64),
     dict(DIAGONAL_FORM="groups", KEYS_INSIDE_FORM="groups", DIAGONAL_WARPS=4),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
