@@ -115,12 +115,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
                  PACKED=packed),
         fk.WY_WARPS,
     )
-    if fk.DIAGONAL_FORM == "groups":
-        diagonal, diagonal_constants = fk._diagonal_groups_kernel, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed)
-    else:
-        diagonal, diagonal_constants = fk._diagonal_kernel, dict(K=K, BK=bk, PACKED=packed)
     out["diagonal"] = (
-        diagonal, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {}, diagonal_constants,
+        fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {},
+        dict(K=K, BK=bk, PACKED=packed),
         fk.DIAGONAL_WARPS,
     )
     out["state_forward"] = (
@@ -165,7 +162,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, INSIDE=bw.KEYS_INSIDE_FORM),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed),
         bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     out["gate_gradient"] = (

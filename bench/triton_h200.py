@@ -56,14 +56,7 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers, e.g.
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
-VARIANTS: list[dict] = [
-    # the pairs inside a 16-row sub-block in groups of four rows (forward diagonal tiles, keys launch)
-    dict(KEYS_INSIDE_FORM="groups"),
-    dict(DIAGONAL_FORM="groups"),
-    dict(DIAGONAL_FORM="groups", DIAGONAL_WARPS=4),
-    dict(DIAGONAL_FORM="groups", DIAGONAL_KEY_BLOCK=16),
-    dict(DIAGONAL_FORM="groups", KEYS_INSIDE_FORM="groups", DIAGONAL_WARPS=4),
-]
+VARIANTS: list[dict] = []
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 

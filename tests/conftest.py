@@ -29,14 +29,3 @@ def fresh_path_log():
     from gdn2 import paths
 
     paths.forget_announcements()
-
-
-@pytest.fixture(params=["rows", "groups"])
-def inside_form(request, monkeypatch):
-    """Each form of the Triton kernels' pairs inside a 16-row sub-block, the forward's diagonal
-    tiles (``forward.DIAGONAL_FORM``) and the keys launch's (``backward.KEYS_INSIDE_FORM``)."""
-    from gdn2.torch.triton import backward, forward
-
-    monkeypatch.setattr(forward, "DIAGONAL_FORM", request.param)
-    monkeypatch.setattr(backward, "KEYS_INSIDE_FORM", request.param)
-    return request.param

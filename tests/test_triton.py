@@ -61,7 +61,7 @@ def _inputs(case, dtype, with_state=True):
 
 @kernel_only
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}g{}".format(*s[:5], s[5][0]))
-def test_kernel_matches_spec_float32(shape, seed, interpreter, inside_form):
+def test_kernel_matches_spec_float32(shape, seed, interpreter):
     """Output, final state and every gradient (with a gradient into the final state)."""
     B, T, H, K, V, decay = shape
     case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
@@ -75,7 +75,7 @@ def test_kernel_matches_spec_float32(shape, seed, interpreter, inside_form):
 
 @kernel_only
 @pytest.mark.parametrize("T", [64, 70])
-def test_kernel_strong_decay_every_step(T, seed, interpreter, inside_form):
+def test_kernel_strong_decay_every_step(T, seed, interpreter):
     """Every step decays by at least exp(-10): dg is tiny (~1e-5) and must not be swamped by
     rounding of the O(1) terms that cancel in it (P's diagonal, the k-to-end and last-row terms)."""
     case = make_case(1, T, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
@@ -85,7 +85,7 @@ def test_kernel_strong_decay_every_step(T, seed, interpreter, inside_form):
 
 
 @kernel_only
-def test_kernel_bfloat16_and_no_initial_state(seed, interpreter, inside_form):
+def test_kernel_bfloat16_and_no_initial_state(seed, interpreter):
     """bfloat16 inputs (float32 accumulation) against the spec on the same, rounded inputs."""
     case = make_case(1, 50, 2, 32, 24, seed, log_decay_range=(-20.0, 0.0), with_state=False)
     case = _rounded_case(case, torch.bfloat16)
@@ -108,13 +108,11 @@ def test_kernel_erase_gate_up_to_two_and_float16(seed, interpreter):
     assert error <= 2e-2, (seed, name, errors)
 
 
-# The keys launch at its default key block and at 64 columns, with each form of the pairs inside
-# a sub-block (module constants of gdn2.torch.triton.backward).
+# The keys launch at its default key block and at 64 columns (module constants of
+# gdn2.torch.triton.backward).
 KEYS_FORMS = [
     dict(),
     dict(INTRA_BACKWARD_KEYS_BLOCK=64),
-    dict(KEYS_INSIDE_FORM="groups"),
-    dict(KEYS_INSIDE_FORM="groups", INTRA_BACKWARD_KEYS_BLOCK=64),
 ]
 
 
@@ -212,7 +210,7 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
 
 
 @kernel_only
-def test_packed_sequences_on_the_kernel_path(interpreter, seed, inside_form):
+def test_packed_sequences_on_the_kernel_path(interpreter, seed):
     """cu_seqlens through the Triton kernels (natively, one chunk table): equal to separate runs."""
     from gdn2.testing import packed_case, random_lengths
 
@@ -225,7 +223,7 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed, inside_form):
 
 
 @kernel_only
-def test_native_packed_sequences_across_chunks(interpreter, seed, inside_form):
+def test_native_packed_sequences_across_chunks(interpreter, seed):
     """Packed sequences run natively (no padded batch): sequences of several chunks, one of
     exactly one chunk, one token, an empty one; every output and gradient, initial and final
     states per sequence, against the spec on each sequence alone."""

@@ -14,14 +14,10 @@
   block of key columns): the WY adjoint and the adjoints of the gated bilinear forms ``A`` and
   ``P`` (span sums through the row before a sub-block off the diagonal, products of per-step
   decays inside it), then dg's sums over the chunk. P's diagonal and the k-to-end and gamma terms
-  go straight to dq, dk and dg (they cancel in dG only to rounding). The pairs inside a sub-block,
-  ``KEYS_INSIDE_FORM``: "rows" (the default) goes one row (keys' side) and one column (rows'
-  side) per step, in one loop, each step's rows loaded one step ahead: a step's arithmetic is
-  short, and without the prefetch each step waits for its own loads (H200: 13.20 ms
-  forward+backward with two loops and no prefetch, 12.36 so). "groups" splits the sub-block into
-  four groups of four rows: pairs across groups by matrix products through the end of the earlier
-  group (three per side), pairs inside a group by rows loaded shifted by 1 to 3; no serial chain
-  of 16 steps.
+  go straight to dq, dk and dg (they cancel in dG only to rounding). The pairs inside a sub-block
+  go one row (keys' side) and one column (rows' side) per step, in one loop, each step's rows
+  loaded one step ahead: a step's arithmetic is short, and without the prefetch each step waits
+  for its own loads (H200: 13.20 ms forward+backward with two loops and no prefetch, 12.36 so).
 """
 
 from __future__ import annotations
@@ -110,10 +106,6 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32
-# The pairs inside a key launch's sub-block: "rows" (one row and one column per step, products
-# of per-step decays) or "groups" (four groups of four rows: pairs across groups by matrix
-# products through the end of the earlier group, pairs inside a group by shifted rows).
-KEYS_INSIDE_FORM = "rows"
 
 @triton.jit
 def _intra_backward_contract_kernel(
@@ -304,89 +296,6 @@ def _column_step(F, d_bk_A, d_q_P, r, j, g_next, k_j, d_A_column, d_P_column):
 
 
 @triton.jit
-def _shifted_rows(x, first, end, HK, cols_k, k_ok, r, shift, ok):
-    """Rows ``r + shift`` of an input as float32 [16, BKB] (0 where ``ok`` is false or past
-    ``end``): the pointer arithmetic does the shift."""
-    t = first + r + shift
-    row_ok = ok & (t < end)
-    return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _inside_groups(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, k_I,
-                   d_bk_A, d_q_P, d_k_pair, BKB: tl.constexpr, DOT: tl.constexpr):
-    """The pairs ``j < i`` inside sub-block I, in four groups of four rows, added to the rows'
-    side (``d_bk_A``, ``d_q_P``) and the keys' side (``d_k_pair``).
-
-    Pairs in different groups (j in group J, i in a later group): the span ``j + 1 .. i`` splits
-    at the end ``e`` of group J, ``exp(span) = left_J[i] right_J[j]`` with ``left_J`` the exp of
-    a cumulative sum from row ``e + 1`` and ``right_J`` the exp of a reverse cumulative sum of
-    ``g_{j+1}`` inside group J, both at most 1; one matrix product per group J and side.
-    Pairs in one group (offset 1 to 3): no sums across rows, only rows shifted by the offset,
-    loaded shifted; their decays are products of per-step decays.
-    Live tiles are few on purpose (sm_90a, 4 warps: 128 registers so, 140 with the pairs in one
-    group last and both sides in one loop over J): the pairs in one group first, then the rows'
-    side and the keys' side in two loops over J, each computing its own left and right, and the
-    dA, dP tiles loaded masked (the keys' side transposed) in each step."""
-    group = r // 4
-    position = r % 4
-    # Pairs in one group, offset d: the rows' side of row i reads row i - d (E = exp(g_{i-d+1}
-    # + ... + g_i)), the keys' side of row j reads row j + d (F = exp(g_{j+1} + ... + g_{j+d})).
-    E = tl.exp(_rows(g, first, end, HK, cols_k, k_ok, 0))
-    F = tl.full((16, BKB), 1.0, tl.float32)
-    for d in range(1, 4):
-        E = E * tl.exp(_shifted_rows(g, first, end, HK, cols_k, k_ok, r, 1 - d, (position >= d - 1) & (d > 1)))
-        earlier_ok = position >= d
-        k_earlier = _shifted_rows(k, first, end, HK, cols_k, k_ok, r, -d, earlier_ok)
-        entries = (I * 16 + r) * 64 + I * 16 + r - d  # (i, i - d)
-        d_A_earlier = tl.load(d_A_scratch + entries, mask=earlier_ok, other=0.0)
-        d_P_earlier = tl.load(d_P_scratch + entries, mask=earlier_ok, other=0.0)
-        k_E = tl.where(earlier_ok[:, None], k_earlier * E, 0.0)
-        d_bk_A += d_A_earlier[:, None] * k_E
-        d_q_P += d_P_earlier[:, None] * k_E
-
-        later_ok = position + d <= 3
-        F = F * tl.exp(_shifted_rows(g, first, end, HK, cols_k, k_ok, r, d, later_ok))
-        entries = (I * 16 + r + d) * 64 + I * 16 + r  # (j + d, j)
-        d_A_later = tl.load(d_A_scratch + entries, mask=later_ok, other=0.0)
-        d_P_later = tl.load(d_P_scratch + entries, mask=later_ok, other=0.0)
-        q_later = _shifted_rows(q, first, end, HK, cols_k, k_ok, r, d, later_ok)
-        bk_later = (_shifted_rows(b, first, end, HK, cols_k, k_ok, r, d, later_ok)
-                    * _shifted_rows(k, first, end, HK, cols_k, k_ok, r, d, later_ok))
-        pair = d_A_later[:, None] * bk_later + d_P_later[:, None] * q_later
-        d_k_pair += tl.where(later_ok[:, None], pair * F, 0.0)
-
-    # Pairs in different groups; runtime loops over J (unrolled, every step's loads are issued at
-    # once and the registers spill).
-    g_I = _rows(g, first, end, HK, cols_k, k_ok, 0)
-    g_next = _rows(g, first, end, HK, cols_k, k_ok, 1)
-    tile = (I * 16 + r)[:, None] * 64 + I * 16 + r[None, :]
-    for J in range(3):
-        e = 4 * J + 3
-        left = tl.exp(tl.cumsum(tl.where(r[:, None] > e, g_I, 0.0), 0))  # g_{e+1} + ... + g_i
-        in_J = (group == J) & (r < e)  # g_{j+1} for j + 1 <= e
-        right = tl.exp(tl.cumsum(tl.where(in_J[:, None], g_next, 0.0), 0, reverse=True))  # g_{j+1} + ... + g_e
-        across = (group[:, None] > J) & (group[None, :] == J)
-        k_right = k_I * right
-        d_bk_A += left * tl.dot(tl.load(d_A_scratch + tile, mask=across, other=0.0), k_right, input_precision=DOT)
-        d_q_P += left * tl.dot(tl.load(d_P_scratch + tile, mask=across, other=0.0), k_right, input_precision=DOT)
-    q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
-    bk_I = _rows(b, first, end, HK, cols_k, k_ok, 0) * k_I
-    tile_T = (I * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA, dP)^T
-    for J in range(3):
-        e = 4 * J + 3
-        left = tl.exp(tl.cumsum(tl.where(r[:, None] > e, g_I, 0.0), 0))
-        in_J = (group == J) & (r < e)
-        right = tl.exp(tl.cumsum(tl.where(in_J[:, None], g_next, 0.0), 0, reverse=True))
-        across_T = (group[None, :] > J) & (group[:, None] == J)
-        d_A_J = tl.load(d_A_scratch + tile_T, mask=across_T, other=0.0)
-        d_P_J = tl.load(d_P_scratch + tile_T, mask=across_T, other=0.0)
-        d_k_pair += right * (tl.dot(d_A_J, bk_I * left, input_precision=DOT)
-                             + tl.dot(d_P_J, q_I * left, input_precision=DOT))
-    return d_bk_A, d_q_P, d_k_pair
-
-
-@triton.jit
 def _intra_backward_keys_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     d_qd, d_kd, d_bkd,  # from the contraction launch, [B, H, N * 64, K]; d_qd's rows get dg's partial sums
@@ -394,14 +303,13 @@ def _intra_backward_keys_kernel(
     d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
-    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INSIDE: tl.constexpr,
+    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
     I's first row to i, right = exp of the span from j + 1 to the row before I), the pairs with
-    later sub-blocks, and the pairs inside I (``INSIDE``: "rows", one row i at a time, ``E[j] =
-    exp(g_{j+1} + ... + g_i)`` the previous row's times ``exp(g_i)``; or "groups", four groups of
-    four rows, see ``_inside_groups``). Every exponent is a span sum, never positive.
+    later sub-blocks, and the pairs inside I one row i at a time (``E[j] = exp(g_{j+1} + ... +
+    g_i)``, the previous row's times ``exp(g_i)``). Every exponent is a span sum, never positive.
     dg needs sums over the whole chunk: this launch leaves the sub-block's part in d_qd's rows and
     its two sums in ``sub_block_sums``; ``_gate_gradient_kernel`` adds the rest."""
     i_s = tl.program_id(0)
@@ -465,32 +373,27 @@ def _intra_backward_keys_kernel(
     right = tl.exp(tl.cumsum(_rows(g, first, end, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
     d_k_pair = right * to_later
 
-    # Pairs inside I. "groups": see _inside_groups. "rows": without sums across rows, one row i at
-    # a time for the keys' side (``E[j] = exp(g_{j+1} + ... + g_i)``, the previous row's times
-    # ``exp(g_i)``), one column j at a time, last first, for the rows' side (``F[i] = exp(g_{j+1} +
-    # ... + g_i)``, the next column's times ``exp(g_{j+1})``). Both in one loop (step s: row s and
-    # column 15 - s), so that their loads wait together, and each step's rows loaded one step
-    # ahead: a step's arithmetic is short.
+    # Pairs inside I, without sums across rows: one row i at a time for the keys' side (``E[j] =
+    # exp(g_{j+1} + ... + g_i)``, the previous row's times ``exp(g_i)``), one column j at a time,
+    # last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next column's times
+    # ``exp(g_{j+1})``). Both in one loop (step s: row s and column 15 - s), so that their loads
+    # wait together, and each step's rows loaded one step ahead: a step's arithmetic is short.
     k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
-    if INSIDE == "groups":
-        d_bk_A, d_q_P, d_k_pair = _inside_groups(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok,
-                                                 r, I, k_I, d_bk_A, d_q_P, d_k_pair, BKB, DOT)
-    else:
-        E = tl.zeros((16, BKB), dtype=tl.float32)
-        F = tl.zeros((16, BKB), dtype=tl.float32)
-        g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
-        g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
-        for s in range(16):
-            g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
-                q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
-            g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
-                k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
-            E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-            F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
-            g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
-            g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
+    E = tl.zeros((16, BKB), dtype=tl.float32)
+    F = tl.zeros((16, BKB), dtype=tl.float32)
+    g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+        q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
+    g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+        k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
+    for s in range(16):
+        g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
+            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
+        g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
+            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
+        E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+        F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
+        g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
+        g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
 
     q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
     b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
@@ -611,8 +514,7 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
-        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, INSIDE=KEYS_INSIDE_FORM,
-        num_warps=INTRA_BACKWARD_KEYS_WARPS,
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=INTRA_BACKWARD_KEYS_WARPS,
         num_stages=1,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](

@@ -26,10 +26,7 @@ decay of a whole sub-block:
 * an off-diagonal tile (I > J) is a matrix product ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T``
   over the sub-blocks M strictly between, all factors <= 1;
 * a diagonal tile is built one row i at a time, ``E_i[j] = E_{i-1}[j] e^{g_i}`` for ``j < i``
-  (products of per-step decays, one exponential per step and channel); or, with
-  ``DIAGONAL_FORM = "groups"``, in groups of four rows: a pair in different groups as a matrix
-  product of a prefix sum from the end of j's group to i and a suffix sum from j to the end of
-  its group, a pair in one group (at most three steps apart) as a product of per-step decays;
+  (products of per-step decays, one exponential per step and channel);
 * ``exp(G_i) = e^{L_i} prod_{M<I} t_M`` and ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``.
 
 Masks are selects (``tl.where``), never multiplications, so ``-inf`` never meets a zero.
@@ -49,8 +46,6 @@ CHUNK = 64
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 2
 DIAGONAL_WARPS = 2
-DIAGONAL_FORM = "rows"  # "rows": _diagonal_kernel, one row at a time; "groups": _diagonal_groups_kernel
-DIAGONAL_KEY_BLOCK = 32  # key columns per step of the "groups" form
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
@@ -217,82 +212,6 @@ def _diagonal_kernel(
         k_E = k_tile * E
         tl.store(A_out + tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
         tl.store(P_out + tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
-
-
-@triton.jit
-def _diagonal_groups_kernel(
-    q, k, g, b,  # inputs [B, T, H, K]
-    P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
-    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-):
-    """The same tiles as ``_diagonal_kernel`` (``DIAGONAL_FORM = "groups"``), the sub-block's rows
-    in four groups of four, ``BK`` key columns at a time.
-
-    Pairs in different groups (j in group J, i in a later one): the span ``j+1 .. i`` splits at
-    the end ``e = 4 J + 3`` of j's group into ``e+1 .. i`` (the left factor, a prefix sum that
-    starts at row e+1) and ``j+1 .. e`` (the right factor, a suffix sum inside j's group), both
-    <= 1: per output, three matrix products (one per J), each kept on its pairs only. Pairs in
-    one group (offset d = i - j <= 3, and P's diagonal): the rows ``i - d`` loaded shifted, their
-    decay a product of per-step decays, one reduction over the key columns per offset and
-    output. Every exponent a span sum, never a difference; the products meet only finite values,
-    and what lies outside a pair's own terms is selected away."""
-    i_s = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_n = i_s // 4
-    I = i_s % 4
-    i_b = i_bh // H
-    i_h = i_bh % H
-    r = tl.arange(0, 16)
-    group = r // 4
-    place = r % 4  # the row's place in its group
-    HK = H * K
-    chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    t = chunk_first + I * 16 + r  # the sub-block's tokens
-    sequence = i_b * T * HK + i_h * K
-    q += sequence
-    k += sequence
-    g += sequence
-    b += sequence
-    column = r[None, :]
-    row = r[:, None]
-    A = tl.zeros((16, 16), dtype=tl.float32)
-    P = tl.zeros((16, 16), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        offsets = t[:, None] * HK + cols[None, :]
-        ok = (t < end)[:, None] & col_ok[None, :]
-        q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
-        k_tile = _load_finite(k + offsets, ok)
-        bk = _load_finite(b + offsets, ok) * k_tile
-        g_tile = _load_decay(g + offsets, ok)
-        # g_{j+1} for the rows j of a group but its last (a right factor's span ends at its group's end)
-        g_next = _load_decay(g + offsets + HK, ((place < 3) & (t + 1 < end))[:, None] & col_ok[None, :])
-        # the right factors of every group at once: e^{g_{j+1} + ... + g_e}, e the end of j's group
-        suffix = tl.reshape(tl.cumsum(tl.reshape(g_next, (4, 4, BK)), 1, reverse=True), (16, BK))
-        right_k = tl.trans(tl.where((group < 3)[:, None], k_tile * tl.exp(suffix), 0.0))
-        for J in tl.static_range(3):
-            left = tl.exp(tl.cumsum(tl.where(row > 4 * J + 3, g_tile, 0.0), 0))  # e^{g_{e+1} + ... + g_i}
-            pairs = (row // 4 > J) & (column // 4 == J)
-            A += tl.where(pairs, tl.dot(bk * left, right_k, input_precision=DOT), 0.0)
-            P += tl.where(pairs, tl.dot(q_tile * left, right_k, input_precision=DOT), 0.0)
-        # pairs in one group (the products above are exact zeros there; a non-finite query's row
-        # is non-finite either way): P's diagonal, then one offset d = i - j at a time
-        P += tl.where(column == row, tl.sum(q_tile * k_tile, 1)[:, None], 0.0)
-        decay = tl.exp(g_tile)  # e^{g_i}, then e^{g_{i-d+1} + ... + g_i} for d = 2, 3
-        for d in tl.static_range(1, 4):
-            shifted_ok = ((place >= d) & (t < end))[:, None] & col_ok[None, :]  # row i - d, in i's group
-            if d > 1:
-                decay = decay * tl.exp(_load_decay(g + offsets - (d - 1) * HK, shifted_ok))
-            k_E = _load_finite(k + offsets - d * HK, shifted_ok) * decay
-            pair = column == row - d  # (zero where i - d is in an earlier group: k_E is)
-            A += tl.where(pair, tl.sum(bk * k_E, 1)[:, None], 0.0)
-            P += tl.where(pair, tl.sum(q_tile * k_E, 1)[:, None], 0.0)
-
-    # a non-finite query reaches its own row of the products: only its lower entries are kept
-    tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65 + row * 64 + column  # the diagonal tile
-    tl.store(A_out + tile, tl.where(column < row, A, 0.0))
-    tl.store(P_out + tile, tl.where(column <= row, P, 0.0))
 
 
 @triton.jit
@@ -507,17 +426,10 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     V = v.shape[-1]
     N = P.shape[2]
     table, packed = _table(chunk_table, P), chunk_table is not None
-    if DIAGONAL_FORM == "groups":
-        _diagonal_groups_kernel[(N * 4, B * H)](
-            q, k, g, b, P, X, table, T, H, K, N, BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))),
-            DOT=dot_precision,
-            PACKED=packed, num_warps=DIAGONAL_WARPS, num_stages=1,
-        )
-    else:
-        _diagonal_kernel[(N * 4, B * H)](
-            q, k, g, b, P, X, table, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), PACKED=packed,
-            num_warps=DIAGONAL_WARPS, num_stages=1,
-        )
+    _diagonal_kernel[(N * 4, B * H)](
+        q, k, g, b, P, X, table, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), PACKED=packed,
+        num_warps=DIAGONAL_WARPS, num_stages=1,
+    )
     BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, table, T, H, K, N, BK=BK, DOT=dot_precision, PACKED=packed,
