@@ -454,7 +454,8 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
     f32, i32, none = "fp32", "i32", dict(HAS_BIAS=False, HAS_STATE=False, HAS_POSITIONS=False, HAS_MASK=False)
     every = dict(HAS_BIAS=True, HAS_STATE=True, HAS_POSITIONS=True, HAS_MASK=True)
     conv_pointers = dict(x=inp, weight=f32, bias=f32, state=inp, positions=i32, mask="u8")
-    backward_pointers = dict(conv_pointers, dy=f32, dx=inp, d_weight_parts=f32, d_bias_parts=f32, d_state=inp)
+    backward_pointers = dict(conv_pointers, dy=f32, d_pre=f32, d_weight_parts=f32, d_bias_parts=f32)
+    input_grad_pointers = dict(d_pre=f32, weight=f32, positions=i32, mask="u8", dx=inp, d_state=inp)
     out = {}
     for label, channels, normalize in (("q/k", head_dim, True), ("v", conv.CHANNEL_BLOCK, False)):
         shape = dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, NORMALIZE=normalize)
@@ -462,7 +463,12 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
                                         dict(shape, **none), conv.FORWARD_WARPS)
         for flags, name in ((none, ""), (every, " +all options")):
             out[f"conv backward {label}{name}"] = (conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
-                                                   dict(shape, WB=4, BS=4, **flags), conv.BACKWARD_WARPS)
+                                                   dict(shape, WB=4, **flags), conv.BACKWARD_WARPS)
+            out[f"conv input grad {label}{name}"] = (
+                conv._conv_input_grad_kernel, input_grad_pointers, {},
+                dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, BS=4,
+                     **{key: flags[key] for key in ("HAS_STATE", "HAS_POSITIONS", "HAS_MASK")}),
+                conv.FORWARD_WARPS)
     rows, block = norm._row_block(head_dim)
     out["l2 forward"] = (norm._l2_forward_kernel, dict(x=inp, y=f32), dict(eps=f32),
                          dict(K=head_dim, BR=rows, BK=block, SILU=True), norm.WARPS)

@@ -19,12 +19,14 @@ Options, as in ``gdn2.torch.layer.ShortConvolution``:
 * ``mask`` ``[B, T]`` bool: padding steps (False) read as zero input.
 
 Launches: forward (one program per block of steps, block of channels and batch row); backward
-(a fixed number of programs per channel block and batch row, each walking several blocks of
-steps so that the weight and bias gradients are summed in registers; the partial sums of the
-programs are added by one ``torch.sum``). The backward recomputes the pre-activations from the
-inputs (W taps per step, read from cache), so the forward saves nothing but its inputs.
-Computing each step's pre-activation gradient once instead (through a per-program scratch) was
-slower on the H200 (docs/triton.md).
+in two: the pre-activation gradient ``dz`` (a fixed number of programs per channel block and
+batch row, each walking several blocks of steps so that the weight and bias gradients are summed
+in registers; the partial sums of the programs are added by one ``torch.sum``), written to a
+float32 buffer, then the input gradient (one program per block of steps), each row reading the
+``dz`` of the W steps that read it. The backward recomputes the pre-activations from the inputs
+(W taps per step, read from cache), so the forward saves nothing but its inputs. Recomputing
+``dz`` at each of the W shifts inside one launch instead took 3.9 ms for the layer's three
+convolutions on the H200 (docs/triton.md).
 """
 
 from __future__ import annotations
@@ -136,22 +138,17 @@ def _pre_activation_grad(
 
 
 @triton.jit
-def _input_grad(
-    x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps, dz_first,
-    W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-):
-    """``sum_m weight[W - 1 - m] * dz[s + m]`` over the taps that read row ``s``; ``dz_first``:
-    ``dz[s]``, already computed."""
-    last = tl.load(weight + cols * W + W - 1, mask=col_ok, other=0.0).to(tl.float32)
-    grad = dz_first * last[None, :]
-    for m in tl.static_range(1, W):
+def _input_grad(d_pre, weight, positions, i_b, s, T, D, cols, col_ok, W: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """``sum_m weight[W - 1 - m] * dz[s + m]`` over the taps that read row ``s`` (``dz`` from
+    ``d_pre``, zero outside ``[0, T)``; with packed sequences a step reaches back ``m`` rows only
+    inside its own sequence)."""
+    grad = tl.zeros((s.shape[0], cols.shape[0]), dtype=tl.float32)
+    for m in tl.static_range(W):
         t = s + m
-        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, t, T, D, stride_x, cols, col_ok, eps,
-                                  W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-        if HAS_POSITIONS:  # step t reaches back m steps only inside its own sequence
-            position = tl.load(positions + i_b * T + t, mask=(t >= 0) & (t < T), other=0)
+        row_ok = (t >= 0) & (t < T)
+        dz = tl.load(d_pre + (i_b * T + t)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if HAS_POSITIONS and m > 0:
+            position = tl.load(positions + i_b * T + t, mask=row_ok, other=0)
             dz = tl.where((position >= m)[:, None], dz, 0.0)
         tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
         grad += dz * tap[None, :]
@@ -161,12 +158,14 @@ def _input_grad(
 @triton.jit
 def _conv_backward_kernel(
     x, weight, bias, state, positions, mask, dy,  # as the forward; dy [B, T, D]
-    dx, d_weight_parts, d_bias_parts, d_state,  # [B, T, D], [B * P, D, W] f32, [B * P, D] f32, [B, W - 1, D]
+    d_pre, d_weight_parts, d_bias_parts,  # [B, T, D] f32 (the pre-activation gradient), [B * P, D, W] f32, [B * P, D] f32
     T, D, stride_x, eps, P, row_blocks,
-    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
 ):
+    """The pre-activation gradient ``dz`` (to ``d_pre``, for the input launch) and each program's
+    partial sums of the weight and bias gradients over the blocks of steps it walks."""
     i_p = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -190,27 +189,43 @@ def _conv_backward_kernel(
                 tile = tl.where((position >= back)[:, None], tile, 0.0)
             d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
         d_bias += tl.sum(dz, 0)
-        grad = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps, dz,
-                           W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-        if HAS_MASK:
-            keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
-            grad = tl.where(keep[:, None], grad, 0.0)
-        tl.store(dx + (i_b * T + s)[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty),
-                 mask=(s < T)[:, None] & col_ok[None, :])
-        if HAS_STATE:
-            if block == 0:  # the state's rows are the steps -(W - 1) .. -1
-                r = tl.arange(0, BS) - (W - 1)
-                dz_r = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, stride_x, cols, col_ok,
-                                            eps, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-                grad_r = _input_grad(x, weight, bias, state, positions, mask, dy, i_b, r, T, D, stride_x, cols, col_ok, eps,
-                                     dz_r, W, BS, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-                tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
-                         grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
+        tl.store(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], dz, mask=(s < T)[:, None] & col_ok[None, :])
     part = i_b * P + i_p
     tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
              mask=col_ok[:, None] & (taps < W)[None, :])
     if HAS_BIAS:
         tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
+
+
+@triton.jit
+def _conv_input_grad_kernel(
+    d_pre, weight, positions, mask,  # [B, T, D] f32 from _conv_backward_kernel, [D, W], [B, T], [B, T]
+    dx, d_state,  # [B, T, D], [B, W - 1, D]
+    T, D,
+    W: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """dx of one block of steps (and, in the first block, the state's gradient): each row's
+    taps read ``dz`` of the W steps that read it, from memory."""
+    i_t = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    lane = tl.arange(0, BD)
+    cols = i_c * CH + lane
+    col_ok = (lane < CH) & (cols < D)
+    s = i_t * BT + tl.arange(0, BT)
+    grad = _input_grad(d_pre, weight, positions, i_b, s, T, D, cols, col_ok, W, HAS_POSITIONS)
+    if HAS_MASK:  # padding steps read zero input: no gradient reaches them
+        keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
+        grad = tl.where(keep[:, None], grad, 0.0)
+    tl.store(dx + (i_b * T + s)[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty),
+             mask=(s < T)[:, None] & col_ok[None, :])
+    if HAS_STATE:
+        if i_t == 0:  # the state's rows are the steps -(W - 1) .. -1
+            r = tl.arange(0, BS) - (W - 1)
+            grad_r = _input_grad(d_pre, weight, positions, i_b, r, T, D, cols, col_ok, W, HAS_POSITIONS)
+            tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
+                     grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -268,19 +283,27 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
     BT = step_block(BD)
     row_blocks = triton.cdiv(T, BT)
     P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs)))
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-    d_state = None if state is None else torch.empty_like(state)
     f32 = dict(dtype=torch.float32, device=x.device)
+    d_pre = torch.empty(B, T, D, **f32)
     d_weight_parts = torch.empty(B * P, D, W, **f32)
     d_bias_parts = torch.empty(B * P, D, **f32) if bias is not None else d_weight_parts
+    flags = _flags(bias, state, positions, mask, head_dim)
     _conv_backward_kernel[(P, channel_programs, B)](
         x, weight, x if bias is None else bias, x if state is None else state,
         x if positions is None else positions, x if mask is None else mask, dy,
-        dx, d_weight_parts, d_bias_parts, dx if d_state is None else d_state,
+        d_pre, d_weight_parts, d_bias_parts,
         T, D, row_stride(x), eps, P, row_blocks,
-        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
-        **_flags(bias, state, positions, mask, head_dim),
+        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, **flags,
         num_warps=BACKWARD_WARPS,
+    )
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
+    d_state = None if state is None else torch.empty_like(state)
+    _conv_input_grad_kernel[(row_blocks, channel_programs, B)](
+        d_pre, weight, x if positions is None else positions, x if mask is None else mask,
+        dx, dx if d_state is None else d_state, T, D,
+        W=W, CH=CH, BT=BT, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
+        HAS_STATE=flags["HAS_STATE"], HAS_POSITIONS=flags["HAS_POSITIONS"], HAS_MASK=flags["HAS_MASK"],
+        num_warps=FORWARD_WARPS,
     )
     d_bias = d_bias_parts.sum(0) if bias is not None else None
     return dx, d_weight_parts.sum(0), d_bias, d_state
