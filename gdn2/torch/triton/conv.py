@@ -172,11 +172,9 @@ def _conv_backward_kernel(
     lane = tl.arange(0, BD)
     cols = i_c * CH + lane
     col_ok = (lane < CH) & (cols < D)
-    # Summed over steps elementwise and over the rows of the tile once at the end: a sum across
-    # rows at every block made each block wait on its reductions.
-    d_weight = tl.zeros((BT, BD, WB), dtype=tl.float32)
+    d_weight = tl.zeros((BD, WB), dtype=tl.float32)
     taps = tl.arange(0, WB)
-    d_bias = tl.zeros((BT, BD), dtype=tl.float32)
+    d_bias = tl.zeros((BD,), dtype=tl.float32)
     for block in range(i_p, row_blocks, P):
         s = block * BT + tl.arange(0, BT)
         dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps,
@@ -189,14 +187,14 @@ def _conv_backward_kernel(
             tile = _inputs(x, state, mask, i_b, s - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
             if HAS_POSITIONS:
                 tile = tl.where((position >= back)[:, None], tile, 0.0)
-            d_weight += tl.where(taps[None, None, :] == j, (dz * tile)[:, :, None], 0.0)
-        d_bias += dz
+            d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
+        d_bias += tl.sum(dz, 0)
         tl.store(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], dz, mask=(s < T)[:, None] & col_ok[None, :])
     part = i_b * P + i_p
-    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], tl.sum(d_weight, 0),
+    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
              mask=col_ok[:, None] & (taps < W)[None, :])
     if HAS_BIAS:
-        tl.store(d_bias_parts + part * D + cols, tl.sum(d_bias, 0), mask=col_ok)
+        tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
 
 
 @triton.jit
