@@ -7,6 +7,7 @@ training step with each.
     python bench/layer.py --device cuda --check          # fused glue = plain glue on the GPU, every gradient
     python bench/layer.py --saved                        # what the layer saves for its backward (CPU), by tensor
     python bench/layer.py --device cuda --skip-lm --profile   # with each layer row, its kernels' GPU times
+    python bench/layer.py --device cuda --skip-lm --variants  # also the glue's launch-setting variants
 
 Layer rows (the layer's parameters and input in ``--dtype``): ``fla`` (``fla.layers.gdn2.GatedDeltaNet2``,
 when flash-linear-attention is installed; our layer loads its ``state_dict``), ``gdn2`` (the
@@ -47,6 +48,14 @@ FLA_ARGUMENTS = ("hidden_size", "expand_v", "head_dim", "num_heads", "num_v_head
 FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
             lm_layers=4, lm_hidden=1024, lm_heads=8, lm_vocab=32000, lm_B=8, lm_T=2048, repeats=20, warmup=3)
 OPERATOR_INPUTS = ("float32", "projections")
+# Launch-setting variants of the fused glue (module constants of gdn2.torch.triton.conv, gates,
+# norm), each timed on the layer rows' inputs and compared with the default settings (``--variants``).
+GLUE_VARIANTS: list[dict] = [
+    dict(BACKWARD_WEIGHT_SUMS="input"),
+    dict(BACKWARD_WEIGHT_SUMS="input", BACKWARD_WARPS=4),
+    dict(BACKWARD_WEIGHT_SUMS="input", BACKWARD_WARPS=4, BACKWARD_TILE_ELEMENTS=2048),
+    dict(BACKWARD_PROGRAMS=4096),
+]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
              lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)
 
@@ -217,6 +226,57 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
             row["profile"] = profile_layer(layer, x, d_out)
             for entry in row["profile"]:
                 print(f"      {entry['ms']:8.4f} ms  {entry['calls']:3d} x  {entry['kernel']}", flush=True)
+    if args.variants:
+        rows += glue_variants(args, layers["gdn2"], x, d_out, device)
+    return rows
+
+
+def set_glue_constants(settings: dict) -> dict:
+    """Set launch constants of the glue kernels' modules (conv, gates, norm); returns the old values."""
+    from gdn2.torch.triton import conv, gates, norm
+
+    previous = {}
+    for name, value in settings.items():
+        module = next(m for m in (conv, gates, norm) if hasattr(m, name))
+        previous[name] = getattr(module, name)
+        setattr(module, name, value)
+    return previous
+
+
+def glue_variants(args, layer, x, d_out, device: Device) -> list[dict]:
+    """The fused layer under each of ``GLUE_VARIANTS``: times, and output and input gradient
+    against the default settings' (the first operator-input setting)."""
+    layer_module.OPERATOR_INPUT_DTYPE = args.operator_inputs[0]
+
+    def outputs():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        out = output_of(layer, x)
+        out.backward(d_out)
+        return out.detach(), x.grad.detach().clone(), {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
+
+    default = outputs()
+    rows = []
+    for variant in GLUE_VARIANTS:
+        previous = set_glue_constants(variant)
+        row = {"what": "layer variant", "name": f"gdn2 {variant}", "variant": variant}
+        try:
+            out, dx, grads = outputs()
+            row["output_difference_to_default"] = relative_difference(out, default[0])
+            row["input_grad_difference_to_default"] = relative_difference(dx, default[1])
+            worst = max(grads, key=lambda n: relative_difference(grads[n], default[2][n]))
+            row["worst_parameter_grad_difference_to_default"] = (worst, relative_difference(grads[worst], default[2][worst]))
+            row.update(time_layer(layer, x, d_out, device, args.repeats, args.warmup))
+            with operator_replaced(False):
+                glue = time_layer(layer, x, d_out, device, args.repeats, args.warmup)
+            row["glue_forward_ms"], row["glue_forward_backward_ms"] = glue["forward_ms"], glue["forward_backward_ms"]
+            print("  " + layer_line(row), flush=True)
+        except Exception as error:  # report, keep going
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+            print(f"  {row['name']}: {row['error']}", flush=True)
+        finally:
+            set_glue_constants(previous)
+        rows.append(row)
     return rows
 
 
@@ -241,6 +301,8 @@ def layer_line(row: dict) -> str:
             text += f"  out diff {value:.2e}"
         if key.startswith("input_grad_difference_to_"):
             text += f"  dx diff {value:.2e}"
+        if key.startswith("worst_parameter_grad_difference_to_"):
+            text += f"  worst parameter grad diff {value[1]:.2e} ({value[0]})"
     return text
 
 
@@ -455,19 +517,24 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
     every = dict(HAS_BIAS=True, HAS_STATE=True, HAS_POSITIONS=True, HAS_MASK=True)
     conv_pointers = dict(x=inp, weight=f32, bias=f32, state=inp, positions=i32, mask="u8")
     backward_pointers = dict(conv_pointers, dy=f32, d_pre=f32, d_weight_parts=f32, d_bias_parts=f32)
-    input_grad_pointers = dict(d_pre=f32, weight=f32, positions=i32, mask="u8", dx=inp, d_state=inp)
+    input_grad_pointers = dict(d_pre=f32, weight=f32, positions=i32, mask="u8", x=inp, state=inp, dx=inp, d_state=inp,
+                               d_weight_parts=f32, d_bias_parts=f32)
+    in_first = conv.BACKWARD_WEIGHT_SUMS == "pre-activation"
     out = {}
     for label, channels, normalize in (("q/k", head_dim, True), ("v", conv.CHANNEL_BLOCK, False)):
         shape = dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, NORMALIZE=normalize)
         out[f"conv forward {label}"] = (conv._conv_forward_kernel, dict(conv_pointers, y=f32), dict(eps=f32),
                                         dict(shape, **none), conv.FORWARD_WARPS)
         for flags, name in ((none, ""), (every, " +all options")):
-            out[f"conv backward {label}{name}"] = (conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
-                                                   dict(shape, WB=4, **flags), conv.BACKWARD_WARPS)
+            out[f"conv backward {label}{name}"] = (
+                conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
+                dict(shape, BT=conv.step_block(channels, conv.BACKWARD_TILE_ELEMENTS), WB=4, **flags,
+                     WEIGHT_SUMS=in_first),
+                conv.BACKWARD_WARPS)
             out[f"conv input grad {label}{name}"] = (
                 conv._conv_input_grad_kernel, input_grad_pointers, {},
-                dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, BS=4,
-                     **{key: flags[key] for key in ("HAS_STATE", "HAS_POSITIONS", "HAS_MASK")}),
+                dict(W=4, WB=4, CH=channels, BT=conv.step_block(channels), BD=channels, BS=4, **flags,
+                     WEIGHT_SUMS=not in_first),
                 conv.FORWARD_WARPS)
     rows, block = norm._row_block(head_dim)
     out["l2 forward"] = (norm._l2_forward_kernel, dict(x=inp, y=f32), dict(eps=f32),
@@ -526,6 +593,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--compile", action="store_true", help="torch.compile the language models")
     parser.add_argument("--skip-layer", action="store_true", help="language-model rows only")
     parser.add_argument("--skip-lm", action="store_true", help="layer rows only")
+    parser.add_argument("--variants", action="store_true",
+                        help="after the layer rows, the fused layer under each of GLUE_VARIANTS (launch settings)")
     parser.add_argument("--profile", action="store_true",
                         help="with each layer row, GPU time per kernel of one forward+backward (CUDA only)")
     parser.add_argument("--seed", type=int, default=0)

@@ -37,16 +37,20 @@ import triton.language as tl
 
 from . import LAYER_INSTEAD, refuse_higher_order
 
-# Launch settings: tiles of about 1024 elements (steps x channels). The backward keeps several
-# shifted tiles live; at 8 warps it compiles for sm_90a without spills (128 registers for a q/k
-# head of 128 channels, 227 with every option: ``python bench/layer.py --resources``), at 4 warps
-# or larger tiles it spills.
+# Launch settings: tiles of about 1024 elements (steps x channels). The pre-activation gradient
+# launch compiles for sm_90a at 80 registers for a q/k head of 128 channels at 8 warps
+# (``python bench/layer.py --resources``). The input gradient launch uses the forward's tiles.
 FORWARD_WARPS = 4
 BACKWARD_WARPS = 8
 TILE_ELEMENTS = 1024
+BACKWARD_TILE_ELEMENTS = 1024  # the pre-activation gradient launch's tiles
 MAX_STEP_BLOCK = 32
 CHANNEL_BLOCK = 64  # channels per program without normalisation
-BACKWARD_PROGRAMS = 1024  # programs of the backward in all (fewer when there are fewer blocks)
+BACKWARD_PROGRAMS = 1024  # programs of the pre-activation gradient launch in all (fewer when there are fewer blocks)
+# Which launch sums the weight and bias gradients: "pre-activation" (each program of the first
+# launch walks several blocks of steps, summing as it goes) or "input" (every program of both
+# launches takes one block; the input launch writes one partial sum per block).
+BACKWARD_WEIGHT_SUMS = "pre-activation"
 
 
 @triton.jit
@@ -138,11 +142,16 @@ def _pre_activation_grad(
 
 
 @triton.jit
-def _input_grad(d_pre, weight, positions, i_b, s, T, D, cols, col_ok, W: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+def _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok,
+                W: tl.constexpr, WB: tl.constexpr, HAS_POSITIONS: tl.constexpr, WEIGHT_SUMS: tl.constexpr):
     """``sum_m weight[W - 1 - m] * dz[s + m]`` over the taps that read row ``s`` (``dz`` from
     ``d_pre``, zero outside ``[0, T)``; with packed sequences a step reaches back ``m`` rows only
-    inside its own sequence)."""
+    inside its own sequence). With ``WEIGHT_SUMS``, also each tap's weight-gradient sum over these
+    rows, ``sum_s dz[s + m] * x[s]`` for tap ``W - 1 - m`` (``x_tile``: the inputs at rows s, as
+    the taps read them), as a [channels, WB] tile."""
     grad = tl.zeros((s.shape[0], cols.shape[0]), dtype=tl.float32)
+    taps = tl.arange(0, WB)
+    sums = tl.zeros((cols.shape[0], WB), dtype=tl.float32)
     for m in tl.static_range(W):
         t = s + m
         row_ok = (t >= 0) & (t < T)
@@ -152,7 +161,9 @@ def _input_grad(d_pre, weight, positions, i_b, s, T, D, cols, col_ok, W: tl.cons
             dz = tl.where((position >= m)[:, None], dz, 0.0)
         tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
         grad += dz * tap[None, :]
-    return grad
+        if WEIGHT_SUMS:
+            sums += tl.where(taps[None, :] == W - 1 - m, tl.sum(dz * x_tile, 0)[:, None], 0.0)
+    return grad, sums
 
 
 @triton.jit
@@ -162,10 +173,11 @@ def _conv_backward_kernel(
     T, D, stride_x, eps, P, row_blocks,
     W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
-    NORMALIZE: tl.constexpr,
+    NORMALIZE: tl.constexpr, WEIGHT_SUMS: tl.constexpr,
 ):
-    """The pre-activation gradient ``dz`` (to ``d_pre``, for the input launch) and each program's
-    partial sums of the weight and bias gradients over the blocks of steps it walks."""
+    """The pre-activation gradient ``dz`` (to ``d_pre``, for the input launch) and, with
+    ``WEIGHT_SUMS``, each program's partial sums of the weight and bias gradients over the blocks
+    of steps it walks."""
     i_p = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -179,34 +191,38 @@ def _conv_backward_kernel(
         s = block * BT + tl.arange(0, BT)
         dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps,
                                   W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-        # Weight and bias: dz of this block's steps against the inputs each tap read.
-        if HAS_POSITIONS:
-            position = tl.load(positions + i_b * T + s, mask=s < T, other=0)
-        for j in tl.static_range(W):
-            back = W - 1 - j
-            tile = _inputs(x, state, mask, i_b, s - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-            if HAS_POSITIONS:
-                tile = tl.where((position >= back)[:, None], tile, 0.0)
-            d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
-        d_bias += tl.sum(dz, 0)
         tl.store(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], dz, mask=(s < T)[:, None] & col_ok[None, :])
-    part = i_b * P + i_p
-    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
-             mask=col_ok[:, None] & (taps < W)[None, :])
-    if HAS_BIAS:
-        tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
+        if WEIGHT_SUMS:  # weight and bias: dz of this block's steps against the inputs each tap read
+            if HAS_POSITIONS:
+                position = tl.load(positions + i_b * T + s, mask=s < T, other=0)
+            for j in tl.static_range(W):
+                back = W - 1 - j
+                tile = _inputs(x, state, mask, i_b, s - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
+                if HAS_POSITIONS:
+                    tile = tl.where((position >= back)[:, None], tile, 0.0)
+                d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
+            d_bias += tl.sum(dz, 0)
+    if WEIGHT_SUMS:
+        part = i_b * P + i_p
+        tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
+                 mask=col_ok[:, None] & (taps < W)[None, :])
+        if HAS_BIAS:
+            tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
 
 
 @triton.jit
 def _conv_input_grad_kernel(
     d_pre, weight, positions, mask,  # [B, T, D] f32 from _conv_backward_kernel, [D, W], [B, T], [B, T]
-    dx, d_state,  # [B, T, D], [B, W - 1, D]
-    T, D,
-    W: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+    x, state,  # the forward's inputs, read with WEIGHT_SUMS
+    dx, d_state, d_weight_parts, d_bias_parts,  # [B, T, D], [B, W - 1, D], [B * blocks, D, W] f32, [B * blocks, D] f32
+    T, D, stride_x,
+    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+    WEIGHT_SUMS: tl.constexpr,
 ):
     """dx of one block of steps (and, in the first block, the state's gradient): each row's
-    taps read ``dz`` of the W steps that read it, from memory."""
+    taps read ``dz`` of the W steps that read it, from memory. With ``WEIGHT_SUMS``, also the
+    block's partial sums of the weight and bias gradients (one part per block)."""
     i_t = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -214,7 +230,11 @@ def _conv_input_grad_kernel(
     cols = i_c * CH + lane
     col_ok = (lane < CH) & (cols < D)
     s = i_t * BT + tl.arange(0, BT)
-    grad = _input_grad(d_pre, weight, positions, i_b, s, T, D, cols, col_ok, W, HAS_POSITIONS)
+    x_tile = tl.zeros((BT, BD), dtype=tl.float32)
+    if WEIGHT_SUMS:
+        x_tile = _inputs(x, state, mask, i_b, s, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
+    grad, d_weight = _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok, W, WB, HAS_POSITIONS,
+                                 WEIGHT_SUMS)
     if HAS_MASK:  # padding steps read zero input: no gradient reaches them
         keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
         grad = tl.where(keep[:, None], grad, 0.0)
@@ -223,9 +243,24 @@ def _conv_input_grad_kernel(
     if HAS_STATE:
         if i_t == 0:  # the state's rows are the steps -(W - 1) .. -1
             r = tl.arange(0, BS) - (W - 1)
-            grad_r = _input_grad(d_pre, weight, positions, i_b, r, T, D, cols, col_ok, W, HAS_POSITIONS)
+            r_tile = tl.zeros((BS, BD), dtype=tl.float32)
+            if WEIGHT_SUMS:
+                r_tile = _inputs(x, state, mask, i_b, r, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
+                r_tile = tl.where((r < 0)[:, None], r_tile, 0.0)  # rows from 0 on are the first block's
+            grad_r, sums_r = _input_grad(d_pre, weight, positions, r_tile, i_b, r, T, D, cols, col_ok, W, WB,
+                                         HAS_POSITIONS, WEIGHT_SUMS)
+            d_weight += sums_r
             tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
                      grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
+    if WEIGHT_SUMS:
+        part = i_b * tl.num_programs(0) + i_t
+        taps = tl.arange(0, WB)
+        tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
+                 mask=col_ok[:, None] & (taps < W)[None, :])
+        if HAS_BIAS:
+            dz = tl.load(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], mask=(s < T)[:, None] & col_ok[None, :],
+                         other=0.0)
+            tl.store(d_bias_parts + part * D + cols, tl.sum(dz, 0), mask=col_ok)
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -241,9 +276,10 @@ def row_stride(x: torch.Tensor) -> int | None:
     return stride
 
 
-def step_block(BD: int) -> int:
-    """Steps per tile for a block of ``BD`` channels."""
-    return min(MAX_STEP_BLOCK, max(2, TILE_ELEMENTS // BD))
+def step_block(BD: int, elements: int | None = None) -> int:
+    """Steps per tile of about ``elements`` (default ``TILE_ELEMENTS``) for a block of ``BD``
+    channels."""
+    return min(MAX_STEP_BLOCK, max(2, (elements or TILE_ELEMENTS) // BD))
 
 
 def _channel_blocks(D: int, head_dim: int | None) -> tuple[int, int, int]:
@@ -276,33 +312,41 @@ def conv_forward(x, weight, bias, state, positions, mask, y, head_dim: int | Non
 
 def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | None, eps: float):
     """Launch the backward; returns ``(dx, d_weight [D, W] float32, d_bias [D] float32 or None,
-    d_state or None)``."""
+    d_state or None)``. ``BACKWARD_WEIGHT_SUMS`` says which launch sums the weight and bias
+    gradients."""
     B, T, D = x.shape
     W = weight.shape[1]
     CH, BD, channel_programs = _channel_blocks(D, head_dim)
-    BT = step_block(BD)
-    row_blocks = triton.cdiv(T, BT)
-    P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs)))
+    flags = _flags(bias, state, positions, mask, head_dim)
     f32 = dict(dtype=torch.float32, device=x.device)
     d_pre = torch.empty(B, T, D, **f32)
-    d_weight_parts = torch.empty(B * P, D, W, **f32)
-    d_bias_parts = torch.empty(B * P, D, **f32) if bias is not None else d_weight_parts
-    flags = _flags(bias, state, positions, mask, head_dim)
+    BT = step_block(BD, BACKWARD_TILE_ELEMENTS)
+    row_blocks = triton.cdiv(T, BT)
+    in_first = BACKWARD_WEIGHT_SUMS == "pre-activation"
+    if BACKWARD_WEIGHT_SUMS not in ("pre-activation", "input"):
+        raise ValueError(f"BACKWARD_WEIGHT_SUMS: expected 'pre-activation' or 'input', received {BACKWARD_WEIGHT_SUMS!r}")
+    # Summing in the first launch: each program walks several blocks of steps (fewer parts).
+    P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs))) if in_first else row_blocks
+    BT_input = step_block(BD)
+    parts = B * (P if in_first else triton.cdiv(T, BT_input))
+    d_weight_parts = torch.empty(parts, D, W, **f32)
+    d_bias_parts = torch.empty(parts, D, **f32) if bias is not None else d_weight_parts
     _conv_backward_kernel[(P, channel_programs, B)](
         x, weight, x if bias is None else bias, x if state is None else state,
         x if positions is None else positions, x if mask is None else mask, dy,
         d_pre, d_weight_parts, d_bias_parts,
         T, D, row_stride(x), eps, P, row_blocks,
-        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, **flags,
+        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, **flags, WEIGHT_SUMS=in_first,
         num_warps=BACKWARD_WARPS,
     )
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
     d_state = None if state is None else torch.empty_like(state)
-    _conv_input_grad_kernel[(row_blocks, channel_programs, B)](
+    _conv_input_grad_kernel[(triton.cdiv(T, BT_input), channel_programs, B)](
         d_pre, weight, x if positions is None else positions, x if mask is None else mask,
-        dx, dx if d_state is None else d_state, T, D,
-        W=W, CH=CH, BT=BT, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
-        HAS_STATE=flags["HAS_STATE"], HAS_POSITIONS=flags["HAS_POSITIONS"], HAS_MASK=flags["HAS_MASK"],
+        x, x if state is None else state,
+        dx, dx if d_state is None else d_state, d_weight_parts, d_bias_parts, T, D, row_stride(x),
+        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT_input, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
+        **{key: value for key, value in flags.items() if key != "NORMALIZE"}, WEIGHT_SUMS=not in_first,
         num_warps=FORWARD_WARPS,
     )
     d_bias = d_bias_parts.sum(0) if bias is not None else None
