@@ -56,7 +56,11 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 (module constants of its kernel launchers, e.g.
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
-VARIANTS: list[dict] = []
+VARIANTS: list[dict] = [
+    # qd, kd, gamma and b k exp(G) from the intra-forward launch's key loop (WY launch: two products)
+    dict(WY_DECAYS="intra"),
+    dict(WY_DECAYS="intra", INTRA_FORWARD_WARPS=4),
+]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 
