@@ -48,13 +48,16 @@ FLA_ARGUMENTS = ("hidden_size", "expand_v", "head_dim", "num_heads", "num_v_head
 FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
             lm_layers=4, lm_hidden=1024, lm_heads=8, lm_vocab=32000, lm_B=8, lm_T=2048, repeats=20, warmup=3)
 OPERATOR_INPUTS = ("float32", "projections")
-# Launch-setting variants of the fused glue (module constants of gdn2.torch.triton.conv, gates,
-# norm), each timed on the layer rows' inputs and compared with the default settings (``--variants``).
+# Launch-setting variants of the fused glue ("module.CONSTANT" of gdn2.torch.triton's conv, gates
+# and norm), each timed on the layer rows' inputs and compared with the default settings
+# (``--variants``). The backwards' programs walk blocks of rows one after another, summing the
+# parameter gradients as they go: more programs walk fewer blocks each.
 GLUE_VARIANTS: list[dict] = [
-    dict(BACKWARD_WEIGHT_SUMS="input"),
-    dict(BACKWARD_WEIGHT_SUMS="input", BACKWARD_WARPS=4),
-    dict(BACKWARD_WEIGHT_SUMS="input", BACKWARD_WARPS=4, BACKWARD_TILE_ELEMENTS=2048),
-    dict(BACKWARD_PROGRAMS=4096),
+    {"conv.BACKWARD_WEIGHT_SUMS": "input"},
+    {"conv.BACKWARD_WEIGHT_SUMS": "input", "conv.BACKWARD_WARPS": 4},
+    {"conv.BACKWARD_WEIGHT_SUMS": "input", "conv.BACKWARD_WARPS": 4, "conv.BACKWARD_TILE_ELEMENTS": 2048},
+    {"conv.BACKWARD_PROGRAMS": 4096},
+    {"gates.BACKWARD_PROGRAMS": 8192, "norm.BACKWARD_PROGRAMS": 8192},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
              lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)
@@ -232,13 +235,18 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
 
 
 def set_glue_constants(settings: dict) -> dict:
-    """Set launch constants of the glue kernels' modules (conv, gates, norm); returns the old values."""
+    """Set launch constants (``"conv.NAME"``, ``"gates.NAME"``, ``"norm.NAME"``) of the glue
+    kernels' modules; returns the old values."""
     from gdn2.torch.triton import conv, gates, norm
 
+    modules = {"conv": conv, "gates": gates, "norm": norm}
     previous = {}
-    for name, value in settings.items():
-        module = next(m for m in (conv, gates, norm) if hasattr(m, name))
-        previous[name] = getattr(module, name)
+    for key, value in settings.items():
+        module_name, _, name = key.partition(".")
+        module = modules[module_name]
+        if not hasattr(module, name):
+            raise ValueError(f"GLUE_VARIANTS: {module_name} has no launch constant {name!r}")
+        previous[key] = getattr(module, name)
         setattr(module, name, value)
     return previous
 

@@ -66,6 +66,22 @@ def test_small_cpu_run_with_the_fused_glue_under_the_interpreter(bench, tmp_path
     assert by_name["language model step", "gdn2"]["step_ms"] > 0
 
 
+def test_glue_variants_run_and_compare_with_the_default(bench, tmp_path, monkeypatch):
+    """``--variants``: each variant's row is timed and compared with the default settings (the
+    input gradient is formed the same way in both, the parameter gradients differ at most by the
+    order of their sums, rounded to bf16), and the constants come back afterwards."""
+    from gdn2.torch.triton import conv
+
+    monkeypatch.setattr(bench, "GLUE_VARIANTS", [{"conv.BACKWARD_WEIGHT_SUMS": "input"}])
+    rows, _ = run(bench, tmp_path, "--skip-lm", "--variants")
+    (variant,) = [row for row in rows if row["what"] == "layer variant"]
+    assert variant["forward_backward_ms"] > 0 and variant["input_grad_difference_to_default"] < 1e-6
+    assert variant["worst_parameter_grad_difference_to_default"][1] < 1e-2
+    assert conv.BACKWARD_WEIGHT_SUMS == "pre-activation"
+    with pytest.raises(ValueError, match="conv has no launch constant 'NOT_A_SETTING'"):
+        bench.set_glue_constants({"conv.NOT_A_SETTING": 1})
+
+
 def test_the_noop_operator_leaves_only_the_glue(bench):
     """Same output shape and dtype as the operator, zero gradients for all six inputs."""
     q, k, g, b = (torch.randn(1, 3, 2, 4, requires_grad=True) for _ in range(4))
