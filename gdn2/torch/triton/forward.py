@@ -436,6 +436,28 @@ def _intra_forward_kernel(
 
 
 @triton.jit
+def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
+                    BV: tl.constexpr, DOT: tl.constexpr):
+    """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
+    chunk's first row) and, per value column, its first bad row (``first_bad_out`` at the chunk):
+    a non-finite v or w in that column, or ``first_key_bad``, whichever comes first."""
+    rows = tl.arange(0, 64)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        col_ok = cols < V
+        offsets = t[:, None] * (H * V) + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        w_raw = tl.load(w + offsets, mask=mask, other=0.0).to(tl.float32)
+        v_raw = tl.load(v + offsets, mask=mask, other=0.0).to(tl.float32)
+        bad = (w_raw != _finite(w_raw)) | (v_raw != _finite(v_raw))
+        first_bad = tl.minimum(tl.min(tl.where(bad, rows[:, None], 64), 0), first_key_bad)
+        tl.store(first_bad_out + cols, first_bad, mask=col_ok)
+        Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
+        out = rows[:, None] * V + cols[None, :]
+        tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _wy_kernel(
     q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
     X,  # [B, H, N, 64, 64] float32, from _intra_forward_kernel
@@ -499,22 +521,8 @@ def _wy_kernel(
         Wk = tl.dot(X_tile, b_tile * k_tile * decay, input_precision=DOT)
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.min(tl.min(tl.where(key_bad, rows[:, None], 64), 1), 0)
-    sequence = i_b * T * H * V + i_h * V
-    v += sequence
-    w += sequence
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        col_ok = cols < V
-        offsets = t[:, None] * (H * V) + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        w_raw = tl.load(w + offsets, mask=mask, other=0.0).to(tl.float32)
-        v_raw = tl.load(v + offsets, mask=mask, other=0.0).to(tl.float32)
-        bad = (w_raw != _finite(w_raw)) | (v_raw != _finite(v_raw))
-        first_bad = tl.minimum(tl.min(tl.where(bad, rows[:, None], 64), 0), first_key_bad)
-        tl.store(first_bad_out + (i_bh * N + i_n) * V + cols, first_bad, mask=col_ok)
-        Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
-        out = rows[:, None] * V + cols[None, :]
-        tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
+    _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
+                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
 
 @triton.jit
@@ -556,22 +564,8 @@ def _wy_products_kernel(
         Wk = tl.dot(X_tile, bkd_tile, input_precision=DOT)
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
-    sequence = i_b * T * H * V + i_h * V
-    v += sequence
-    w += sequence
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        col_ok = cols < V
-        offsets = t[:, None] * (H * V) + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        w_raw = tl.load(w + offsets, mask=mask, other=0.0).to(tl.float32)
-        v_raw = tl.load(v + offsets, mask=mask, other=0.0).to(tl.float32)
-        bad = (w_raw != _finite(w_raw)) | (v_raw != _finite(v_raw))
-        first_bad = tl.minimum(tl.min(tl.where(bad, rows[:, None], 64), 0), first_key_bad)
-        tl.store(first_bad_out + (i_bh * N + i_n) * V + cols, first_bad, mask=col_ok)
-        Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
-        out = rows[:, None] * V + cols[None, :]
-        tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
+    _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
+                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
 
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
