@@ -148,10 +148,11 @@ def _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok,
     ``d_pre``, zero outside ``[0, T)``; with packed sequences a step reaches back ``m`` rows only
     inside its own sequence). With ``WEIGHT_SUMS``, also each tap's weight-gradient sum over these
     rows, ``sum_s dz[s + m] * x[s]`` for tap ``W - 1 - m`` (``x_tile``: the inputs at rows s, as
-    the taps read them), as a [channels, WB] tile."""
+    the taps read them), as a [channels, WB] tile, and the bias-gradient sum ``sum_s dz[s]``."""
     grad = tl.zeros((s.shape[0], cols.shape[0]), dtype=tl.float32)
     taps = tl.arange(0, WB)
     sums = tl.zeros((cols.shape[0], WB), dtype=tl.float32)
+    bias_sum = tl.zeros((cols.shape[0],), dtype=tl.float32)
     for m in tl.static_range(W):
         t = s + m
         row_ok = (t >= 0) & (t < T)
@@ -163,7 +164,9 @@ def _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok,
         grad += dz * tap[None, :]
         if WEIGHT_SUMS:
             sums += tl.where(taps[None, :] == W - 1 - m, tl.sum(dz * x_tile, 0)[:, None], 0.0)
-    return grad, sums
+            if m == 0:
+                bias_sum = tl.sum(dz, 0)
+    return grad, sums, bias_sum
 
 
 @triton.jit
@@ -233,8 +236,8 @@ def _conv_input_grad_kernel(
     x_tile = tl.zeros((BT, BD), dtype=tl.float32)
     if WEIGHT_SUMS:
         x_tile = _inputs(x, state, mask, i_b, s, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-    grad, d_weight = _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok, W, WB, HAS_POSITIONS,
-                                 WEIGHT_SUMS)
+    grad, d_weight, d_bias = _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok, W, WB,
+                                         HAS_POSITIONS, WEIGHT_SUMS)
     if HAS_MASK:  # padding steps read zero input: no gradient reaches them
         keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
         grad = tl.where(keep[:, None], grad, 0.0)
@@ -247,8 +250,8 @@ def _conv_input_grad_kernel(
             if WEIGHT_SUMS:
                 r_tile = _inputs(x, state, mask, i_b, r, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
                 r_tile = tl.where((r < 0)[:, None], r_tile, 0.0)  # rows from 0 on are the first block's
-            grad_r, sums_r = _input_grad(d_pre, weight, positions, r_tile, i_b, r, T, D, cols, col_ok, W, WB,
-                                         HAS_POSITIONS, WEIGHT_SUMS)
+            grad_r, sums_r, _ = _input_grad(d_pre, weight, positions, r_tile, i_b, r, T, D, cols, col_ok, W, WB,
+                                            HAS_POSITIONS, WEIGHT_SUMS)
             d_weight += sums_r
             tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
                      grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
@@ -258,9 +261,7 @@ def _conv_input_grad_kernel(
         tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
                  mask=col_ok[:, None] & (taps < W)[None, :])
         if HAS_BIAS:
-            dz = tl.load(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], mask=(s < T)[:, None] & col_ok[None, :],
-                         other=0.0)
-            tl.store(d_bias_parts + part * D + cols, tl.sum(dz, 0), mask=col_ok)
+            tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
 
 
 def row_stride(x: torch.Tensor) -> int | None:
