@@ -154,33 +154,15 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
+def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, key_bad_rows, SCREEN: tl.constexpr):
     """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
-    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span.
+    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span, and
+    ``key_bad_rows``: with ``SCREEN``, updated to the chunk's first rows with a bad key-side input
+    so far ([16] int32: per row r of a sub-block, the least 16 M + r over the sub-blocks M and key
+    columns seen whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none).
     """
-    r = tl.arange(0, 16)
-    t = t0 + I * 16 + r
-    ok = (t < T)[:, None] & col_ok[None, :]
-    offsets = key_base + t[:, None] * HK + cols[None, :]
-    q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
-    k_tile = _load_finite(k + offsets, ok)
-    bk = _load_finite(b + offsets, ok) * k_tile
-    g_tile = _load_decay(g + offsets, ok)
-    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
-    g_next = _load_decay(g + offsets + HK, next_ok)
-    L = tl.cumsum(g_tile, 0)
-    R = tl.cumsum(g_next, 0, reverse=True)
-    total = tl.sum(g_tile, 0)
-    return q_tile, k_tile, bk, L, R, total
-
-
-@triton.jit
-def _screened_sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, key_bad_rows):
-    """``_sub_block``, and the chunk's first rows with a bad key-side input so far: ``key_bad_rows``
-    ([16] int32) is, per row r of a sub-block, the least 16 M + r (over the sub-blocks M and key
-    columns seen) whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none."""
     r = tl.arange(0, 16)
     t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
@@ -189,8 +171,9 @@ def _screened_sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, 
     k_raw = tl.load(k + offsets, mask=ok, other=0.0).to(tl.float32)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0).to(tl.float32)
     g_raw = tl.load(g + offsets, mask=ok, other=0.0).to(tl.float32)
-    bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
+    if SCREEN:
+        bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+        key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
     g_tile = _decay(g_raw)
@@ -301,34 +284,29 @@ def _intra_forward_kernel(
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
+    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)  # with DECAYS only
     if DECAYS:
         chunk = i_bh * N + i_n
         qd_out += chunk * 64 * K
         kd_out += chunk * 64 * K
         bkd_out += chunk * 64 * K
-        key_bad_rows = tl.full((16,), 64, dtype=tl.int32)
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
+        q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(
+            q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok, key_bad_rows, DECAYS)
         if DECAYS:
-            q0, k0_, bk0, L0, R0, s0, key_bad_rows = _screened_sub_block(
-                q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok, key_bad_rows)
             left = tl.exp(L0)  # exp(G) on sub-block 0
             _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
             _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
             before = tl.exp(s0)  # the decay of the sub-blocks before the next one
-        else:
-            q0, k0_, bk0, L0, R0, s0 = _sub_block(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
         right0 = k0_ * tl.exp(R0)
 
-        if DECAYS:
-            q1, k1, bk1, L1, R1, s1, key_bad_rows = _screened_sub_block(
-                q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok, key_bad_rows)
-        else:
-            q1, k1, bk1, L1, R1, s1 = _sub_block(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
+        q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(
+            q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok, key_bad_rows, DECAYS)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -341,31 +319,25 @@ def _intra_forward_kernel(
         right0 = right0 * decay1[None, :]
         right1 = k1 * tl.exp(R1)
 
-        if DECAYS:
-            q2, k2, bk2, L2, R2, s2, key_bad_rows = _screened_sub_block(
-                q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok, key_bad_rows)
-        else:
-            q2, k2, bk2, L2, R2, s2 = _sub_block(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
+        q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(
+            q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok, key_bad_rows, DECAYS)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
         A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
-        decay2 = tl.exp(s2)[None, :]
+        decay2 = tl.exp(s2)
         if DECAYS:
             left = left * before[None, :]  # exp(G) on sub-block 2
             _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
             _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
-            before = before * tl.exp(s2)
-        right0 = right0 * decay2
-        right1 = right1 * decay2
+            before = before * decay2
+        right0 = right0 * decay2[None, :]
+        right1 = right1 * decay2[None, :]
         right2 = k2 * tl.exp(R2)
 
-        if DECAYS:
-            q3, k3, bk3, L3, R3, s3, key_bad_rows = _screened_sub_block(
-                q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok, key_bad_rows)
-        else:
-            q3, k3, bk3, L3, R3, s3 = _sub_block(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
+        q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(
+            q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok, key_bad_rows, DECAYS)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
