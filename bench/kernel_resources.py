@@ -7,9 +7,6 @@ the benchmark shapes gets: pointers 16-byte aligned, T, H, N multiples of 16), a
 
     python bench/kernel_resources.py --K 128 --V 128 --dtype bfloat16
 
-The forward's in-chunk launches follow ``forward.WY_DECAYS`` (``--wy-decays`` sets it): with
-"intra", ``intra_forward`` is compiled with its decays stored and ``wy`` is ``_wy_products_kernel``.
-
 Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
 """
 
@@ -83,10 +80,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
     parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
-    parser.add_argument("--wy-decays", choices=["recompute", "intra"], default=forward.WY_DECAYS,
-                        help="forward.WY_DECAYS: where the forward's decays and decayed keys are made")
     args = parser.parse_args()
-    forward.WY_DECAYS = args.wy_decays
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
     inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
@@ -109,30 +103,21 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
-    intra_decays = fk.WY_DECAYS == "intra"
     out["intra_forward"] = (
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
              gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, DECAYS=intra_decays),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.INTRA_FORWARD_WARPS,
     )
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed)
-    if intra_decays:
-        out["wy"] = (
-            fk._wy_products_kernel,
-            dict(v=inp, w=inp, X=f32, bkd=f32, key_first_bad="i32", Wk_out=f32, Uw_out=f32, first_bad_out="i32",
-                 chunk_table="i32"),
-            {}, wy_blocks, fk.WY_WARPS,
-        )
-    else:
-        out["wy"] = (
-            fk._wy_kernel,
-            dict(q=inp, k=inp, v=inp, g=inp, b=inp, w=inp, X=f32, qd_out=saved("qd"), kd_out=saved("kd"), Wk_out=f32,
-                 Uw_out=f32, gamma_out=f32, first_bad_out="i32", chunk_table="i32"),
-            {}, wy_blocks, fk.WY_WARPS,
-        )
+    out["wy"] = (
+        fk._wy_kernel,
+        dict(v=inp, w=inp, X=f32, bkd=f32, key_first_bad="i32", Wk_out=f32, Uw_out=f32, first_bad_out="i32",
+             chunk_table="i32"),
+        {}, wy_blocks, fk.WY_WARPS,
+    )
     out["diagonal"] = (
         fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {},
         dict(K=K, BK=bk, PACKED=packed),

@@ -50,13 +50,11 @@ FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
 OPERATOR_INPUTS = ("float32", "projections")
 # Launch-setting variants of the fused glue ("module.CONSTANT" of gdn2.torch.triton's conv, gates
 # and norm), each timed on the layer rows' inputs and compared with the default settings
-# (``--variants``). The backwards' programs walk blocks of rows one after another, summing the
-# parameter gradients as they go: more programs walk fewer blocks each.
+# (``--variants``). The gates' and norm's backward programs walk blocks of rows one after another,
+# summing the parameter gradients as they go: more programs walk fewer blocks each.
 GLUE_VARIANTS: list[dict] = [
-    {"conv.BACKWARD_WEIGHT_SUMS": "input"},
-    {"conv.BACKWARD_WEIGHT_SUMS": "input", "conv.BACKWARD_WARPS": 4},
-    {"conv.BACKWARD_WEIGHT_SUMS": "input", "conv.BACKWARD_WARPS": 4, "conv.BACKWARD_TILE_ELEMENTS": 2048},
-    {"conv.BACKWARD_PROGRAMS": 4096},
+    {"conv.BACKWARD_WARPS": 4},
+    {"conv.BACKWARD_TILE_ELEMENTS": 2048},
     {"gates.BACKWARD_PROGRAMS": 8192, "norm.BACKWARD_PROGRAMS": 8192},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
@@ -524,10 +522,9 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
     f32, i32, none = "fp32", "i32", dict(HAS_BIAS=False, HAS_STATE=False, HAS_POSITIONS=False, HAS_MASK=False)
     every = dict(HAS_BIAS=True, HAS_STATE=True, HAS_POSITIONS=True, HAS_MASK=True)
     conv_pointers = dict(x=inp, weight=f32, bias=f32, state=inp, positions=i32, mask="u8")
-    backward_pointers = dict(conv_pointers, dy=f32, d_pre=f32, d_weight_parts=f32, d_bias_parts=f32)
+    backward_pointers = dict(conv_pointers, dy=f32, d_pre=f32)
     input_grad_pointers = dict(d_pre=f32, weight=f32, positions=i32, mask="u8", x=inp, state=inp, dx=inp, d_state=inp,
                                d_weight_parts=f32, d_bias_parts=f32)
-    in_first = conv.BACKWARD_WEIGHT_SUMS == "pre-activation"
     out = {}
     for label, channels, normalize in (("q/k", head_dim, True), ("v", conv.CHANNEL_BLOCK, False)):
         shape = dict(W=4, CH=channels, BT=conv.step_block(channels), BD=channels, NORMALIZE=normalize)
@@ -536,13 +533,11 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
         for flags, name in ((none, ""), (every, " +all options")):
             out[f"conv backward {label}{name}"] = (
                 conv._conv_backward_kernel, backward_pointers, dict(eps=f32),
-                dict(shape, BT=conv.step_block(channels, conv.BACKWARD_TILE_ELEMENTS), WB=4, **flags,
-                     WEIGHT_SUMS=in_first),
+                dict(shape, BT=conv.step_block(channels, conv.BACKWARD_TILE_ELEMENTS), **flags),
                 conv.BACKWARD_WARPS)
             out[f"conv input grad {label}{name}"] = (
                 conv._conv_input_grad_kernel, input_grad_pointers, {},
-                dict(W=4, WB=4, CH=channels, BT=conv.step_block(channels), BD=channels, BS=4, **flags,
-                     WEIGHT_SUMS=not in_first),
+                dict(W=4, WB=4, CH=channels, BT=conv.step_block(channels), BD=channels, BS=4, **flags),
                 conv.FORWARD_WARPS)
     rows, block = norm._row_block(head_dim)
     out["l2 forward"] = (norm._l2_forward_kernel, dict(x=inp, y=f32), dict(eps=f32),

@@ -57,9 +57,6 @@ CHECK_SHAPES = [
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
-    # qd, kd, gamma and b k exp(G) from the intra-forward launch's key loop (WY launch: two products)
-    dict(WY_DECAYS="intra"),
-    dict(WY_DECAYS="intra", INTRA_FORWARD_WARPS=4),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -29,13 +29,3 @@ def fresh_path_log():
     from gdn2 import paths
 
     paths.forget_announcements()
-
-
-@pytest.fixture(params=["recompute", "intra"])
-def wy_decays(request, monkeypatch):
-    """Each form of the Triton forward's decays and WY products (``forward.WY_DECAYS``): recomputed
-    by the WY launch, or stored by the intra-forward launch from its key loop."""
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "WY_DECAYS", request.param)
-    return request.param

@@ -72,12 +72,12 @@ def test_glue_variants_run_and_compare_with_the_default(bench, tmp_path, monkeyp
     order of their sums, rounded to bf16), and the constants come back afterwards."""
     from gdn2.torch.triton import conv
 
-    monkeypatch.setattr(bench, "GLUE_VARIANTS", [{"conv.BACKWARD_WEIGHT_SUMS": "input"}])
+    monkeypatch.setattr(bench, "GLUE_VARIANTS", [{"conv.BACKWARD_TILE_ELEMENTS": 2048}])
     rows, _ = run(bench, tmp_path, "--skip-lm", "--variants")
     (variant,) = [row for row in rows if row["what"] == "layer variant"]
     assert variant["forward_backward_ms"] > 0 and variant["input_grad_difference_to_default"] < 1e-6
     assert variant["worst_parameter_grad_difference_to_default"][1] < 1e-2
-    assert conv.BACKWARD_WEIGHT_SUMS == "pre-activation"
+    assert conv.BACKWARD_TILE_ELEMENTS == 1024
     with pytest.raises(ValueError, match="conv has no launch constant 'NOT_A_SETTING'"):
         bench.set_glue_constants({"conv.NOT_A_SETTING": 1})
 

@@ -91,13 +91,6 @@ def plain_conv(case, x, weight, bias, state, head_dim):
     return y
 
 
-@pytest.fixture(params=["pre-activation", "input"])
-def weight_sums(request, monkeypatch):
-    """Each launch that can sum the convolution's weight and bias gradients (conv.BACKWARD_WEIGHT_SUMS)."""
-    monkeypatch.setattr(conv, "BACKWARD_WEIGHT_SUMS", request.param)
-    return request.param
-
-
 def compare_conv(case, head_dim, dtype, tolerance):
     module = case["module"]
     leaves = {"x": leaf(case["x"], dtype), "weight": leaf(module.weight)}
@@ -124,28 +117,27 @@ def compare_conv(case, head_dim, dtype, tolerance):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", CONV_SHAPES)
-def test_short_convolution_matches_the_plain_code(shape, dtype, seed, weight_sums):
+def test_short_convolution_matches_the_plain_code(shape, dtype, seed):
     dims = CONV_SHAPES[shape]
     case = conv_case(dims, seed, bias=True, state=True, mask=False)
     compare_conv(case, dims[4], *DTYPES[dtype])
 
 
 @pytest.mark.parametrize("head_dim", [None, 8])
-def test_short_convolution_without_bias_or_state_with_padding(head_dim, seed, weight_sums):
+def test_short_convolution_without_bias_or_state_with_padding(head_dim, seed):
     case = conv_case((3, 23, 16, 4, head_dim), seed, bias=False, state=False, mask=True)
     compare_conv(case, head_dim, torch.float32, TIGHT)
 
 
 @pytest.mark.parametrize("head_dim", [None, 8])
-def test_short_convolution_restarts_at_packed_sequences(head_dim, seed, weight_sums):
+def test_short_convolution_restarts_at_packed_sequences(head_dim, seed):
     lengths = [1, 5, 2, 30, 3]  # a sequence of one token, and one across the block boundary
     case = conv_case((1, sum(lengths), 16, 4, head_dim), seed, bias=True, state=False, mask=False, packed=lengths)
     compare_conv(case, head_dim, torch.float32, TIGHT)
 
 
-def test_short_convolution_backward_walks_several_blocks_per_program(monkeypatch, seed, weight_sums):
-    """One backward program per channel block and row: it sums the weight gradient over all blocks."""
-    monkeypatch.setattr(conv, "BACKWARD_PROGRAMS", 1)
+def test_short_convolution_backward_sums_many_small_blocks(monkeypatch, seed):
+    """Many blocks of a few steps: the weight and bias gradients are the sum of every block's part."""
     monkeypatch.setattr(conv, "TILE_ELEMENTS", 64)  # blocks of 4 steps for a 12-channel head
     monkeypatch.setattr(conv, "BACKWARD_TILE_ELEMENTS", 64)
     case = conv_case((2, 100, 24, 4, 12), seed, bias=True, state=True, mask=True)
@@ -154,11 +146,9 @@ def test_short_convolution_backward_walks_several_blocks_per_program(monkeypatch
     compare_conv(case, None, torch.float32, TIGHT)
 
 
-@pytest.mark.parametrize("programs", [1, 3])
-def test_short_convolution_backward_small_blocks_with_packed_sequences(monkeypatch, seed, programs, weight_sums):
-    """The backward over many blocks of 8 steps, taken in turn by one or three programs: sequences
-    that start inside a block and at a block's first step, with padding."""
-    monkeypatch.setattr(conv, "BACKWARD_PROGRAMS", programs)
+def test_short_convolution_backward_small_blocks_with_packed_sequences(monkeypatch, seed):
+    """The backward over many blocks of 8 steps: sequences that start inside a block and at a
+    block's first step, with padding."""
     monkeypatch.setattr(conv, "TILE_ELEMENTS", 64)
     monkeypatch.setattr(conv, "BACKWARD_TILE_ELEMENTS", 64)
     lengths = [1, 5, 2, 30, 3, 4, 8, 11]

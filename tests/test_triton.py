@@ -61,7 +61,7 @@ def _inputs(case, dtype, with_state=True):
 
 @kernel_only
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}g{}".format(*s[:5], s[5][0]))
-def test_kernel_matches_spec_float32(shape, seed, interpreter, wy_decays):
+def test_kernel_matches_spec_float32(shape, seed, interpreter):
     """Output, final state and every gradient (with a gradient into the final state)."""
     B, T, H, K, V, decay = shape
     case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
@@ -75,7 +75,7 @@ def test_kernel_matches_spec_float32(shape, seed, interpreter, wy_decays):
 
 @kernel_only
 @pytest.mark.parametrize("T", [64, 70])
-def test_kernel_strong_decay_every_step(T, seed, interpreter, wy_decays):
+def test_kernel_strong_decay_every_step(T, seed, interpreter):
     """Every step decays by at least exp(-10): dg is tiny (~1e-5) and must not be swamped by
     rounding of the O(1) terms that cancel in it (P's diagonal, the k-to-end and last-row terms)."""
     case = make_case(1, T, 1, 96, 40, seed, log_decay_range=(-20.0, -10.0))
@@ -85,7 +85,7 @@ def test_kernel_strong_decay_every_step(T, seed, interpreter, wy_decays):
 
 
 @kernel_only
-def test_kernel_bfloat16_and_no_initial_state(seed, interpreter, wy_decays):
+def test_kernel_bfloat16_and_no_initial_state(seed, interpreter):
     """bfloat16 inputs (float32 accumulation) against the spec on the same, rounded inputs."""
     case = make_case(1, 50, 2, 32, 24, seed, log_decay_range=(-20.0, 0.0), with_state=False)
     case = _rounded_case(case, torch.bfloat16)
@@ -210,7 +210,7 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
 
 
 @kernel_only
-def test_packed_sequences_on_the_kernel_path(interpreter, seed, wy_decays):
+def test_packed_sequences_on_the_kernel_path(interpreter, seed):
     """cu_seqlens through the Triton kernels (natively, one chunk table): equal to separate runs."""
     from gdn2.testing import packed_case, random_lengths
 
@@ -223,7 +223,7 @@ def test_packed_sequences_on_the_kernel_path(interpreter, seed, wy_decays):
 
 
 @kernel_only
-def test_native_packed_sequences_across_chunks(interpreter, seed, wy_decays):
+def test_native_packed_sequences_across_chunks(interpreter, seed):
     """Packed sequences run natively (no padded batch): sequences of several chunks, one of
     exactly one chunk, one token, an empty one; every output and gradient, initial and final
     states per sequence, against the spec on each sequence alone."""
@@ -317,66 +317,3 @@ def test_public_entry_on_the_kernel_path_compiles_without_graph_breaks(seed, int
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(loss, backend="aot_eager", fullgraph=True)(*tensors), eager)
-
-
-def _intra_forward_buffers(form, inputs, N, chunk_table, monkeypatch):
-    """The in-chunk launches' outputs (the saved qd, kd, gamma, Wk, Uw, P, X and first_bad) under
-    ``forward.WY_DECAYS = form``."""
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "WY_DECAYS", form)
-    q, k, v, g, b, w = inputs
-    B, _, H, K = q.shape
-    V = v.shape[-1]
-    buffers = [torch.full(shape, 7.0, dtype=dtype)  # not zero: every entry must be written
-               for shape, dtype in zip(kernel._saved_shapes(B, N, H, K, V), kernel._saved_dtypes(q.dtype))]
-    qd, kd, gamma, Wk, Uw, P, X, _, _ = buffers
-    first_bad = torch.full((B, H, N, V), -1, dtype=torch.int32)
-    forward.intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, "ieee", chunk_table)
-    return dict(qd=qd, kd=kd, gamma=gamma, Wk=Wk, Uw=Uw, P=P, X=X, first_bad=first_bad)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_wy_decays_forms_save_the_same_buffers(packed, dtype, seed, interpreter, monkeypatch):
-    """The two forms of the decays and WY products (``forward.WY_DECAYS``) on the same random
-    inputs with hard resets (g = -inf), a NaN in g, a non-finite k and b, a +inf in v and in w:
-    qd, kd, gamma, Wk and Uw equal up to float32 rounding (bfloat16 qd, kd: up to one rounding of
-    their own), P and X and first_bad exactly."""
-    from gdn2.spec import parse_cu_seqlens
-
-    rng = np.random.default_rng(seed)
-    B, T, H, K, V = (1, 150, 2, 48, 24) if packed else (2, 130, 2, 48, 24)
-    q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.float32) for shape in
-               ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
-    g = torch.tensor(rng.uniform(-3.0, 0.0, (B, T, H, K)), dtype=torch.float32)
-    b = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, K)), dtype=torch.float32)
-    w = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, V)), dtype=torch.float32)
-    g[0, 37, 0] = -np.inf  # a hard reset mid sub-block, on every channel
-    g[0, 80, 1, :5] = -np.inf  # at a sub-block's first row, on some channels
-    g[0, 100, 0, 3] = np.nan
-    k[B - 1, 20, 1, 7] = np.inf
-    b[B - 1, 90, 0, 2] = np.nan
-    v[0, 70, 1, 5] = np.inf
-    w[B - 1, 5, 0, 0] = -np.inf
-    inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
-    if packed:
-        chunk_table, _ = kernel._packed_tables(parse_cu_seqlens(np.array([0, 70, 71, 135, T]), 1, T), "cpu")
-        N = chunk_table.shape[0]
-    else:
-        chunk_table, N = None, -(-T // 64)
-    recompute = _intra_forward_buffers("recompute", inputs, N, chunk_table, monkeypatch)
-    intra = _intra_forward_buffers("intra", inputs, N, chunk_table, monkeypatch)
-    for name in ("P", "X", "first_bad"):
-        assert torch.equal(recompute[name], intra[name]), name
-    assert (recompute["first_bad"] < 64).any() and (recompute["first_bad"] == 64).any()
-    for name in ("qd", "kd", "gamma", "Wk", "Uw"):
-        want, got = recompute[name].double(), intra[name].double()
-        assert torch.isfinite(want).all() and torch.isfinite(got).all(), name
-        assert (want == 0).any(), name  # padded rows (and for the decays, the hard resets) are exact zeros
-        # exact zeros where a hard reset is (span sums of -inf); elsewhere a zero of one form may be
-        # an underflow the other rounds to a subnormal
-        differ = (want == 0) != (got == 0)
-        assert (torch.maximum(want.abs(), got.abs())[differ] < 1e-37).all(), name
-        rtol = 2 ** -7 if recompute[name].dtype == torch.bfloat16 else 2e-5
-        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6 * want.abs().max().item(), msg=name)

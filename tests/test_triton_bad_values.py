@@ -34,7 +34,7 @@ def interpreter(monkeypatch, fresh_path_log):
 
 @kernel_only
 @pytest.mark.parametrize("value", [-np.inf, -1e6], ids=["-inf", "-1e6"])
-def test_kernel_hard_reset(value, interpreter, seed, wy_decays):
+def test_kernel_hard_reset(value, interpreter, seed):
     """g = ``value`` on every channel at one step per slot; forward and every gradient, with a
     gradient into the final state, against the spec: within 1e-4 and at most twice the chunk
     path's error (every exponent a span sum, no difference of cumulative sums)."""
@@ -69,7 +69,7 @@ def forward(inputs: dict):
     pytest.param(T - 1, id="last"),
 ])
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
-def test_kernel_nan_reaches_no_earlier_output(position, bad, interpreter, seed, wy_decays):
+def test_kernel_nan_reaches_no_earlier_output(position, bad, interpreter, seed):
     """A NaN or +inf in q, k, v, g, b or w (one input per (row, head) slot) at step ``position``:
     earlier outputs are the clean run's; from then on, non-finite exactly where the spec is."""
     case = make_case(2, T, 3, 16, 16, seed, log_decay_range=(-5.0, 0.0), reference=False)

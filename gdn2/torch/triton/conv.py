@@ -19,11 +19,9 @@ Options, as in ``gdn2.torch.layer.ShortConvolution``:
 * ``mask`` ``[B, T]`` bool: padding steps (False) read as zero input.
 
 Launches: forward (one program per block of steps, block of channels and batch row); backward
-in two: the pre-activation gradient ``dz`` (a fixed number of programs per channel block and
-batch row, each walking several blocks of steps so that the weight and bias gradients are summed
-in registers; the partial sums of the programs are added by one ``torch.sum``), written to a
-float32 buffer, then the input gradient (one program per block of steps), each row reading the
-``dz`` of the W steps that read it. The backward recomputes the pre-activations from the inputs
+in two, each one program per block of steps: the pre-activation gradient ``dz``, written to a
+float32 buffer, then the input gradient, each row reading the ``dz`` of the W steps that read it,
+and the block's partial sums of the weight and bias gradients (added by one ``torch.sum``). The backward recomputes the pre-activations from the inputs
 (W taps per step, read from cache), so the forward saves nothing but its inputs. Recomputing
 ``dz`` at each of the W shifts inside one launch instead took 3.9 ms for the layer's three
 convolutions on the H200 (docs/triton.md).
@@ -37,20 +35,14 @@ import triton.language as tl
 
 from . import LAYER_INSTEAD, refuse_higher_order
 
-# Launch settings: tiles of about 1024 elements (steps x channels). The pre-activation gradient
-# launch compiles for sm_90a at 80 registers for a q/k head of 128 channels at 8 warps
-# (``python bench/layer.py --resources``). The input gradient launch uses the forward's tiles.
+# Launch settings: tiles of about 1024 elements (steps x channels). The input gradient launch
+# uses the forward's tiles (``python bench/layer.py --resources``: registers and spills).
 FORWARD_WARPS = 4
 BACKWARD_WARPS = 8
 TILE_ELEMENTS = 1024
 BACKWARD_TILE_ELEMENTS = 1024  # the pre-activation gradient launch's tiles
 MAX_STEP_BLOCK = 32
 CHANNEL_BLOCK = 64  # channels per program without normalisation
-BACKWARD_PROGRAMS = 1024  # programs of the pre-activation gradient launch in all (fewer when there are fewer blocks)
-# Which launch sums the weight and bias gradients: "pre-activation" (each program of the first
-# launch walks several blocks of steps, summing as it goes) or "input" (every program of both
-# launches takes one block; the input launch writes one partial sum per block).
-BACKWARD_WEIGHT_SUMS = "pre-activation"
 
 
 @triton.jit
@@ -143,10 +135,10 @@ def _pre_activation_grad(
 
 @triton.jit
 def _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok,
-                W: tl.constexpr, WB: tl.constexpr, HAS_POSITIONS: tl.constexpr, WEIGHT_SUMS: tl.constexpr):
+                W: tl.constexpr, WB: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     """``sum_m weight[W - 1 - m] * dz[s + m]`` over the taps that read row ``s`` (``dz`` from
     ``d_pre``, zero outside ``[0, T)``; with packed sequences a step reaches back ``m`` rows only
-    inside its own sequence). With ``WEIGHT_SUMS``, also each tap's weight-gradient sum over these
+    inside its own sequence). Also each tap's weight-gradient sum over these
     rows, ``sum_s dz[s + m] * x[s]`` for tap ``W - 1 - m`` (``x_tile``: the inputs at rows s, as
     the taps read them), as a [channels, WB] tile, and the bias-gradient sum ``sum_s dz[s]``."""
     grad = tl.zeros((s.shape[0], cols.shape[0]), dtype=tl.float32)
@@ -162,70 +154,22 @@ def _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok,
             dz = tl.where((position >= m)[:, None], dz, 0.0)
         tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
         grad += dz * tap[None, :]
-        if WEIGHT_SUMS:
-            sums += tl.where(taps[None, :] == W - 1 - m, tl.sum(dz * x_tile, 0)[:, None], 0.0)
-            if m == 0:
-                bias_sum = tl.sum(dz, 0)
+        sums += tl.where(taps[None, :] == W - 1 - m, tl.sum(dz * x_tile, 0)[:, None], 0.0)
+        if m == 0:
+            bias_sum = tl.sum(dz, 0)
     return grad, sums, bias_sum
 
 
 @triton.jit
 def _conv_backward_kernel(
     x, weight, bias, state, positions, mask, dy,  # as the forward; dy [B, T, D]
-    d_pre, d_weight_parts, d_bias_parts,  # [B, T, D] f32 (the pre-activation gradient), [B * P, D, W] f32, [B * P, D] f32
-    T, D, stride_x, eps, P, row_blocks,
-    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    d_pre,  # [B, T, D] float32: the pre-activation gradient
+    T, D, stride_x, eps,
+    W: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
-    NORMALIZE: tl.constexpr, WEIGHT_SUMS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
 ):
-    """The pre-activation gradient ``dz`` (to ``d_pre``, for the input launch) and, with
-    ``WEIGHT_SUMS``, each program's partial sums of the weight and bias gradients over the blocks
-    of steps it walks."""
-    i_p = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    lane = tl.arange(0, BD)
-    cols = i_c * CH + lane
-    col_ok = (lane < CH) & (cols < D)
-    d_weight = tl.zeros((BD, WB), dtype=tl.float32)
-    taps = tl.arange(0, WB)
-    d_bias = tl.zeros((BD,), dtype=tl.float32)
-    for block in range(i_p, row_blocks, P):
-        s = block * BT + tl.arange(0, BT)
-        dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps,
-                                  W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
-        tl.store(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], dz, mask=(s < T)[:, None] & col_ok[None, :])
-        if WEIGHT_SUMS:  # weight and bias: dz of this block's steps against the inputs each tap read
-            if HAS_POSITIONS:
-                position = tl.load(positions + i_b * T + s, mask=s < T, other=0)
-            for j in tl.static_range(W):
-                back = W - 1 - j
-                tile = _inputs(x, state, mask, i_b, s - back, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-                if HAS_POSITIONS:
-                    tile = tl.where((position >= back)[:, None], tile, 0.0)
-                d_weight += tl.where(taps[None, :] == j, tl.sum(dz * tile, 0)[:, None], 0.0)
-            d_bias += tl.sum(dz, 0)
-    if WEIGHT_SUMS:
-        part = i_b * P + i_p
-        tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
-                 mask=col_ok[:, None] & (taps < W)[None, :])
-        if HAS_BIAS:
-            tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
-
-
-@triton.jit
-def _conv_input_grad_kernel(
-    d_pre, weight, positions, mask,  # [B, T, D] f32 from _conv_backward_kernel, [D, W], [B, T], [B, T]
-    x, state,  # the forward's inputs, read with WEIGHT_SUMS
-    dx, d_state, d_weight_parts, d_bias_parts,  # [B, T, D], [B, W - 1, D], [B * blocks, D, W] f32, [B * blocks, D] f32
-    T, D, stride_x,
-    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
-    WEIGHT_SUMS: tl.constexpr,
-):
-    """dx of one block of steps (and, in the first block, the state's gradient): each row's
-    taps read ``dz`` of the W steps that read it, from memory. With ``WEIGHT_SUMS``, also the
-    block's partial sums of the weight and bias gradients (one part per block)."""
+    """The pre-activation gradient ``dz`` of one block of steps (to ``d_pre``, for the input launch)."""
     i_t = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -233,11 +177,33 @@ def _conv_input_grad_kernel(
     cols = i_c * CH + lane
     col_ok = (lane < CH) & (cols < D)
     s = i_t * BT + tl.arange(0, BT)
-    x_tile = tl.zeros((BT, BD), dtype=tl.float32)
-    if WEIGHT_SUMS:
-        x_tile = _inputs(x, state, mask, i_b, s, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
+    dz = _pre_activation_grad(x, weight, bias, state, positions, mask, dy, i_b, s, T, D, stride_x, cols, col_ok, eps,
+                              W, BT, BD, HAS_BIAS, HAS_STATE, HAS_POSITIONS, HAS_MASK, NORMALIZE)
+    tl.store(d_pre + (i_b * T + s)[:, None] * D + cols[None, :], dz, mask=(s < T)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _conv_input_grad_kernel(
+    d_pre, weight, positions, mask,  # [B, T, D] f32 from _conv_backward_kernel, [D, W], [B, T], [B, T]
+    x, state,  # the forward's inputs (for the weight gradient)
+    dx, d_state, d_weight_parts, d_bias_parts,  # [B, T, D], [B, W - 1, D], [B * blocks, D, W] f32, [B * blocks, D] f32
+    T, D, stride_x,
+    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """dx of one block of steps (and, in the first block, the state's gradient): each row's
+    taps read ``dz`` of the W steps that read it, from memory; and the block's partial sums of
+    the weight and bias gradients (one part per block)."""
+    i_t = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    lane = tl.arange(0, BD)
+    cols = i_c * CH + lane
+    col_ok = (lane < CH) & (cols < D)
+    s = i_t * BT + tl.arange(0, BT)
+    x_tile = _inputs(x, state, mask, i_b, s, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
     grad, d_weight, d_bias = _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok, W, WB,
-                                         HAS_POSITIONS, WEIGHT_SUMS)
+                                         HAS_POSITIONS)
     if HAS_MASK:  # padding steps read zero input: no gradient reaches them
         keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
         grad = tl.where(keep[:, None], grad, 0.0)
@@ -246,22 +212,19 @@ def _conv_input_grad_kernel(
     if HAS_STATE:
         if i_t == 0:  # the state's rows are the steps -(W - 1) .. -1
             r = tl.arange(0, BS) - (W - 1)
-            r_tile = tl.zeros((BS, BD), dtype=tl.float32)
-            if WEIGHT_SUMS:
-                r_tile = _inputs(x, state, mask, i_b, r, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-                r_tile = tl.where((r < 0)[:, None], r_tile, 0.0)  # rows from 0 on are the first block's
+            r_tile = _inputs(x, state, mask, i_b, r, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
+            r_tile = tl.where((r < 0)[:, None], r_tile, 0.0)  # rows from 0 on are the first block's
             grad_r, sums_r, _ = _input_grad(d_pre, weight, positions, r_tile, i_b, r, T, D, cols, col_ok, W, WB,
-                                            HAS_POSITIONS, WEIGHT_SUMS)
+                                            HAS_POSITIONS)
             d_weight += sums_r
             tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
                      grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
-    if WEIGHT_SUMS:
-        part = i_b * tl.num_programs(0) + i_t
-        taps = tl.arange(0, WB)
-        tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
-                 mask=col_ok[:, None] & (taps < W)[None, :])
-        if HAS_BIAS:
-            tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
+    part = i_b * tl.num_programs(0) + i_t
+    taps = tl.arange(0, WB)
+    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
+             mask=col_ok[:, None] & (taps < W)[None, :])
+    if HAS_BIAS:
+        tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -313,8 +276,7 @@ def conv_forward(x, weight, bias, state, positions, mask, y, head_dim: int | Non
 
 def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | None, eps: float):
     """Launch the backward; returns ``(dx, d_weight [D, W] float32, d_bias [D] float32 or None,
-    d_state or None)``. ``BACKWARD_WEIGHT_SUMS`` says which launch sums the weight and bias
-    gradients."""
+    d_state or None)``."""
     B, T, D = x.shape
     W = weight.shape[1]
     CH, BD, channel_programs = _channel_blocks(D, head_dim)
@@ -322,33 +284,23 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
     f32 = dict(dtype=torch.float32, device=x.device)
     d_pre = torch.empty(B, T, D, **f32)
     BT = step_block(BD, BACKWARD_TILE_ELEMENTS)
-    row_blocks = triton.cdiv(T, BT)
-    in_first = BACKWARD_WEIGHT_SUMS == "pre-activation"
-    if BACKWARD_WEIGHT_SUMS not in ("pre-activation", "input"):
-        raise ValueError(f"BACKWARD_WEIGHT_SUMS: expected 'pre-activation' or 'input', received {BACKWARD_WEIGHT_SUMS!r}")
-    # Summing in the first launch: each program walks several blocks of steps (fewer parts).
-    P = max(1, min(row_blocks, BACKWARD_PROGRAMS // (B * channel_programs))) if in_first else row_blocks
-    BT_input = step_block(BD)
-    parts = B * (P if in_first else triton.cdiv(T, BT_input))
-    d_weight_parts = torch.empty(parts, D, W, **f32)
-    d_bias_parts = torch.empty(parts, D, **f32) if bias is not None else d_weight_parts
-    _conv_backward_kernel[(P, channel_programs, B)](
+    _conv_backward_kernel[(triton.cdiv(T, BT), channel_programs, B)](
         x, weight, x if bias is None else bias, x if state is None else state,
-        x if positions is None else positions, x if mask is None else mask, dy,
-        d_pre, d_weight_parts, d_bias_parts,
-        T, D, row_stride(x), eps, P, row_blocks,
-        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT, BD=BD, **flags, WEIGHT_SUMS=in_first,
-        num_warps=BACKWARD_WARPS,
+        x if positions is None else positions, x if mask is None else mask, dy, d_pre,
+        T, D, row_stride(x), eps, W=W, CH=CH, BT=BT, BD=BD, **flags, num_warps=BACKWARD_WARPS,
     )
+    BT_input = step_block(BD)
+    input_blocks = triton.cdiv(T, BT_input)
+    d_weight_parts = torch.empty(B * input_blocks, D, W, **f32)
+    d_bias_parts = torch.empty(B * input_blocks, D, **f32) if bias is not None else d_weight_parts
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
     d_state = None if state is None else torch.empty_like(state)
-    _conv_input_grad_kernel[(triton.cdiv(T, BT_input), channel_programs, B)](
+    _conv_input_grad_kernel[(input_blocks, channel_programs, B)](
         d_pre, weight, x if positions is None else positions, x if mask is None else mask,
         x, x if state is None else state,
         dx, dx if d_state is None else d_state, d_weight_parts, d_bias_parts, T, D, row_stride(x),
         W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT_input, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
-        **{key: value for key, value in flags.items() if key != "NORMALIZE"}, WEIGHT_SUMS=not in_first,
-        num_warps=FORWARD_WARPS,
+        **{key: value for key, value in flags.items() if key != "NORMALIZE"}, num_warps=FORWARD_WARPS,
     )
     d_bias = d_bias_parts.sum(0) if bias is not None else None
     return dx, d_weight_parts.sum(0), d_bias, d_state

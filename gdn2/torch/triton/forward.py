@@ -5,12 +5,12 @@ Five launches:
 * ``_diagonal_kernel`` (one program per 16-row sub-block and head, parallel): the diagonal 16x16
   tiles of the erase interactions ``A`` and of the query-key interactions ``P``;
 * ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
-  and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``;
-* ``_wy_kernel`` (one program per chunk and head, parallel): the decayed queries and keys the
-  sequential pass and the output use, ``qd = q * exp(G)``, ``kd = k * exp(G_last - G)``,
-  ``gamma = exp(G_last)``, and the WY products ``Wk = X (b * k * exp(G))`` and ``Uw = X (w * v)``;
-  with ``WY_DECAYS = "intra"``, ``_intra_forward_kernel`` stores qd, kd, gamma and
-  ``b * k * exp(G)`` from its key loop instead, and ``_wy_products_kernel`` forms Wk and Uw;
+  and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``; from the same key loop,
+  the decayed queries and keys the sequential pass and the output use, ``qd = q * exp(G)``,
+  ``kd = k * exp(G_last - G)``, ``gamma = exp(G_last)``, and the decayed erase keys
+  ``bkd = b * k * exp(G)``;
+* ``_wy_kernel`` (one program per chunk and head, parallel): the WY products ``Wk = X bkd`` and
+  ``Uw = X (w * v)``;
 * ``state_forward`` (one program per head and block of value columns, sequential over chunks):
   carries the state ``S``; writes the state entering each chunk and the new values
   ``U = Uw - Wk S``; ``S <- gamma * S + kd^T U``.
@@ -56,11 +56,6 @@ STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
-# Where qd, kd, gamma and the decayed erase keys b k exp(G) are made: "recompute" (``_wy_kernel``
-# reloads q, k, g, b and takes cumulative sums over the chunk) or "intra" (``_intra_forward_kernel``
-# stores them from its key loop, as products of span exponentials; ``_wy_products_kernel`` then
-# only forms Wk, Uw and first_bad).
-WY_DECAYS = "recompute"
 
 
 @triton.jit
@@ -154,12 +149,12 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, key_bad_rows, SCREEN: tl.constexpr):
+def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, key_bad_rows):
     """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
     and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span, and
-    ``key_bad_rows``: with ``SCREEN``, updated to the chunk's first rows with a bad key-side input
+    ``key_bad_rows``, updated to the chunk's first rows with a bad key-side input
     so far ([16] int32: per row r of a sub-block, the least 16 M + r over the sub-blocks M and key
     columns seen whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none).
     """
@@ -171,9 +166,8 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, k
     k_raw = tl.load(k + offsets, mask=ok, other=0.0).to(tl.float32)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0).to(tl.float32)
     g_raw = tl.load(g + offsets, mask=ok, other=0.0).to(tl.float32)
-    if SCREEN:
-        bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-        key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
+    bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
     g_tile = _decay(g_raw)
@@ -250,19 +244,19 @@ def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
 def _intra_forward_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, X_out,  # [B, H, N, 64, 64] float32
-    qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]: written with DECAYS only
-    gamma_out,  # [B, H, N, K] float32: written with DECAYS only
-    key_first_bad_out,  # [B, H, N] int32: with DECAYS, the chunk's first row with a bad k, b or g (64: none)
+    qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]
+    gamma_out,  # [B, H, N, K] float32
+    key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, DECAYS: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
-    With ``DECAYS`` (``WY_DECAYS = "intra"``), also the decayed queries and keys from the same key
-    loop, ``qd = q exp(G)``, ``kd = k exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed
-    erase keys ``bkd = b k exp(G)`` (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) =
+    Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
+    exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)`` (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) =
     e^{R_j} prod_{M>J} t_M``: products of span exponentials, each <= 1), each sub-block's rows
-    stored once final; and the key-side screening of first_bad (as ``_wy_kernel`` does it)."""
+    stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
+    NaN or +inf g: ``key_first_bad_out``)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -284,12 +278,11 @@ def _intra_forward_kernel(
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)  # with DECAYS only
-    if DECAYS:
-        chunk = i_bh * N + i_n
-        qd_out += chunk * 64 * K
-        kd_out += chunk * 64 * K
-        bkd_out += chunk * 64 * K
+    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)
+    chunk = i_bh * N + i_n
+    qd_out += chunk * 64 * K
+    kd_out += chunk * 64 * K
+    bkd_out += chunk * 64 * K
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
@@ -297,47 +290,44 @@ def _intra_forward_kernel(
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok, key_bad_rows, DECAYS)
-        if DECAYS:
-            left = tl.exp(L0)  # exp(G) on sub-block 0
-            _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-            _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
-            before = tl.exp(s0)  # the decay of the sub-blocks before the next one
+            q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok, key_bad_rows)
+        left = tl.exp(L0)  # exp(G) on sub-block 0
+        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
         q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok, key_bad_rows, DECAYS)
+            q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
-        if DECAYS:
-            left = left * before[None, :]  # exp(G) on sub-block 1
-            _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-            _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
-            before = before * decay1
+        left = left * before[None, :]  # exp(G) on sub-block 1
+        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        before = before * decay1
         right0 = right0 * decay1[None, :]
         right1 = k1 * tl.exp(R1)
 
         q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok, key_bad_rows, DECAYS)
+            q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
         A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
-        if DECAYS:
-            left = left * before[None, :]  # exp(G) on sub-block 2
-            _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-            _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
-            before = before * decay2
+        left = left * before[None, :]  # exp(G) on sub-block 2
+        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        before = before * decay2
         right0 = right0 * decay2[None, :]
         right1 = right1 * decay2[None, :]
         right2 = k2 * tl.exp(R2)
 
         q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok, key_bad_rows, DECAYS)
+            q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -345,21 +335,19 @@ def _intra_forward_kernel(
         P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
-        if DECAYS:
-            left = left * before[None, :]  # exp(G) on sub-block 3
-            _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-            _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
-            decay3 = tl.exp(s3)
-            tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
-            # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-            decay3 = decay3[None, :]
-            _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
-            _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
-            _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-            _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
+        left = left * before[None, :]  # exp(G) on sub-block 3
+        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        decay3 = tl.exp(s3)
+        tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
+        # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
+        decay3 = decay3[None, :]
+        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
-    if DECAYS:
-        tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
+    tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
 
     # X = (I + A)^{-1}: diagonal tiles by forward substitution (A's diagonal tiles are where
     # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written),
@@ -431,74 +419,6 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 
 @triton.jit
 def _wy_kernel(
-    q, k, v, g, b, w,  # inputs [B, T, H, K] / [B, T, H, V]
-    X,  # [B, H, N, 64, 64] float32, from _intra_forward_kernel
-    qd_out, kd_out, Wk_out,  # [B, H, N * 64, K]
-    Uw_out,  # [B, H, N * 64, V]
-    gamma_out,  # [B, H, N, K] float32
-    first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
-    chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-):
-    """One chunk's decayed queries and keys, gamma, and the WY products ``Wk = X (b k exp(G))``
-    and ``Uw = X (w v)`` as whole-chunk [64, 64] x [64, block] products. ``G`` (the log decay
-    from the chunk's start) and the decay to the chunk's end are cumulative sums of g over
-    their own spans. Also where the chunk's inputs first go bad: a non-finite k or b, a NaN or
-    +inf g (any key channel: every value column), a non-finite v or w (its own column)."""
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    rows = tl.arange(0, 64)
-    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    t = first + rows
-    row_ok = t < end
-    next_ok = (t + 1 < end) & (rows < 63)
-    X_tile = tl.load(X + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
-    # 64-bit bases, 32-bit offsets inside a sequence and a chunk
-    sequence = i_b * T * H * K + i_h * K
-    q += sequence
-    k += sequence
-    g += sequence
-    b += sequence
-    chunk_rows = (i_bh * N + i_n) * 64
-    qd_out += chunk_rows * K
-    kd_out += chunk_rows * K
-    Wk_out += chunk_rows * K
-    Uw_out += chunk_rows * V
-    key_bad = tl.zeros((64, BK), dtype=tl.int1)  # a bad key-side input, reduced over columns once at the end
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        offsets = t[:, None] * (H * K) + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        g_tile = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
-        k_tile = tl.load(k + offsets, mask=mask, other=0.0).to(tl.float32)
-        b_tile = tl.load(b + offsets, mask=mask, other=0.0).to(tl.float32)
-        bad = (g_tile != _decay(g_tile)) | (k_tile != _finite(k_tile)) | (b_tile != _finite(b_tile))
-        key_bad = key_bad | bad
-        g_tile = _decay(g_tile)
-        k_tile = _finite(k_tile)
-        b_tile = _finite(b_tile)
-        g_next = _load_decay(g + offsets + H * K, next_ok[:, None] & col_ok[None, :])
-        decay = tl.exp(tl.cumsum(g_tile, 0))  # exp(g_0 + ... + g_i)
-        to_end = tl.exp(tl.cumsum(g_next, 0, reverse=True))  # exp(g_{i+1} + ... + g_63)
-        tl.store(gamma_out + (i_bh * N + i_n) * K + cols, tl.exp(tl.sum(g_tile, 0)), mask=col_ok)
-        q_tile = tl.load(q + offsets, mask=mask, other=0.0).to(tl.float32)
-        out = rows[:, None] * K + cols[None, :]
-        out_ok = (rows >= 0)[:, None] & col_ok[None, :]
-        dtype = qd_out.dtype.element_ty
-        tl.store(qd_out + out, (q_tile * decay).to(dtype), mask=out_ok)
-        tl.store(kd_out + out, (k_tile * to_end).to(dtype), mask=out_ok)
-        Wk = tl.dot(X_tile, b_tile * k_tile * decay, input_precision=DOT)
-        tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
-    first_key_bad = tl.min(tl.min(tl.where(key_bad, rows[:, None], 64), 1), 0)
-    _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
-                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
-
-
-@triton.jit
-def _wy_products_kernel(
     v, w,  # inputs [B, T, H, V]
     X,  # [B, H, N, 64, 64] float32, from _intra_forward_kernel
     bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
@@ -509,8 +429,7 @@ def _wy_products_kernel(
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """The WY products of one chunk when ``_intra_forward_kernel`` made the decays
-    (``WY_DECAYS = "intra"``): ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
+    """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
@@ -541,8 +460,8 @@ def _wy_products_kernel(
 
 
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
-    """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X, then the decays and
-    WY products (where the decays are made: ``WY_DECAYS``). Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
+    """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X with the decays, then
+    the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
     ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
     the first row with a non-finite input; 64 when there is none). With packed sequences,
@@ -556,30 +475,17 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, X, table, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), PACKED=packed,
         num_warps=DIAGONAL_WARPS, num_stages=1,
     )
-    BK = min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    if WY_DECAYS not in ("recompute", "intra"):
-        raise ValueError(f"WY_DECAYS: expected 'recompute' or 'intra', found {WY_DECAYS!r}")
-    if WY_DECAYS == "intra":
-        # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
-        # else into a float32 scratch buffer dropped after the WY launch.
-        bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
-        key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
-        _intra_forward_kernel[(N, B * H)](
-            q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N, BK=BK, DOT=dot_precision,
-            PACKED=packed, DECAYS=True, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        )
-        _wy_products_kernel[(N, B * H)](
-            v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
-            BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-            DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
-        )
-        return
+    # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
+    # else into a float32 scratch buffer dropped after the WY launch.
+    bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
+    key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
-        q, k, g, b, P, X, qd, kd, Wk, gamma, first_bad, table, T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=packed, DECAYS=False, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
+        BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
-        q, k, v, g, b, w, X, qd, kd, Wk, Uw, gamma, first_bad, table, T, H, K, V, N,
+        v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
     )
