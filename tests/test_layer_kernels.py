@@ -140,6 +140,7 @@ def test_short_convolution_backward_sums_many_small_blocks(monkeypatch, seed):
     """Many blocks of a few steps: the weight and bias gradients are the sum of every block's part."""
     monkeypatch.setattr(conv, "TILE_ELEMENTS", 64)  # blocks of 4 steps for a 12-channel head
     monkeypatch.setattr(conv, "BACKWARD_TILE_ELEMENTS", 64)
+    monkeypatch.setattr(conv, "INPUT_GRAD_TILE_ELEMENTS", 64)
     case = conv_case((2, 100, 24, 4, 12), seed, bias=True, state=True, mask=True)
     compare_conv(case, 12, torch.float32, TIGHT)
     case = conv_case((2, 37, 24, 3, None), seed, bias=True, state=True, mask=False)  # blocks of 2 steps, 2 taps back
@@ -151,6 +152,7 @@ def test_short_convolution_backward_small_blocks_with_packed_sequences(monkeypat
     block's first step, with padding."""
     monkeypatch.setattr(conv, "TILE_ELEMENTS", 64)
     monkeypatch.setattr(conv, "BACKWARD_TILE_ELEMENTS", 64)
+    monkeypatch.setattr(conv, "INPUT_GRAD_TILE_ELEMENTS", 64)
     lengths = [1, 5, 2, 30, 3, 4, 8, 11]
     case = conv_case((1, sum(lengths), 16, 4, 8), seed, bias=True, state=False, mask=True, packed=lengths)
     compare_conv(case, 8, torch.float32, TIGHT)

@@ -35,12 +35,14 @@ import triton.language as tl
 
 from . import LAYER_INSTEAD, refuse_higher_order
 
-# Launch settings: tiles of about 1024 elements (steps x channels). The input gradient launch
-# uses the forward's tiles (``python bench/layer.py --resources``: registers and spills).
+# Launch settings: tiles of about 1024 elements (steps x channels); ``python bench/layer.py
+# --resources`` prints each launch's registers and spills.
 FORWARD_WARPS = 4
 BACKWARD_WARPS = 8
 TILE_ELEMENTS = 1024
 BACKWARD_TILE_ELEMENTS = 1024  # the pre-activation gradient launch's tiles
+INPUT_GRAD_TILE_ELEMENTS = 1024  # the input gradient launch's tiles (its weight sums: one part per tile)
+INPUT_GRAD_WARPS = 4
 MAX_STEP_BLOCK = 32
 CHANNEL_BLOCK = 64  # channels per program without normalisation
 
@@ -289,7 +291,7 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
         x if positions is None else positions, x if mask is None else mask, dy, d_pre,
         T, D, row_stride(x), eps, W=W, CH=CH, BT=BT, BD=BD, **flags, num_warps=BACKWARD_WARPS,
     )
-    BT_input = step_block(BD)
+    BT_input = step_block(BD, INPUT_GRAD_TILE_ELEMENTS)
     input_blocks = triton.cdiv(T, BT_input)
     d_weight_parts = torch.empty(B * input_blocks, D, W, **f32)
     d_bias_parts = torch.empty(B * input_blocks, D, **f32) if bias is not None else d_weight_parts
@@ -300,7 +302,7 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
         x, x if state is None else state,
         dx, dx if d_state is None else d_state, d_weight_parts, d_bias_parts, T, D, row_stride(x),
         W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT_input, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
-        **{key: value for key, value in flags.items() if key != "NORMALIZE"}, num_warps=FORWARD_WARPS,
+        **{key: value for key, value in flags.items() if key != "NORMALIZE"}, num_warps=INPUT_GRAD_WARPS,
     )
     d_bias = d_bias_parts.sum(0) if bias is not None else None
     return dx, d_weight_parts.sum(0), d_bias, d_state
