@@ -57,14 +57,7 @@ CHECK_SHAPES = [
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
-    dict(STATE_MIN_PROGRAMS=512),  # value blocks of 32: twice the sequential programs
-    dict(STATE_MIN_PROGRAMS=512, STATE_STAGES=1),
-    dict(STATE_WARPS=8),
-    dict(OUTPUT_WARPS=8),
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "P")),
-    dict(INTRA_FORWARD_KEY_BLOCK=32, INTRA_FORWARD_WARPS=4),
-    dict(WY_WARPS=8),
-    dict(DIAGONAL_WARPS=4),
+    dict(DIAGONAL_WARPS=1),  # the diagonal launch's row sums inside one warp (shuffles, no shared memory)
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
