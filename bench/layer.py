@@ -50,14 +50,13 @@ FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
 OPERATOR_INPUTS = ("float32", "projections")
 # Launch-setting variants of the fused glue ("module.CONSTANT" of gdn2.torch.triton's conv, gates
 # and norm), each timed on the layer rows' inputs and compared with the default settings
-# (``--variants``): here the convolution's input-gradient launch with fewer warps (its weight
-# sums over a tile's steps then cross fewer warps) or larger tiles (fewer partial sums).
+# (``--variants``): here the convolution's two backward launches at other warp counts and tiles.
 GLUE_VARIANTS: list[dict] = [
-    {"conv.INPUT_GRAD_WARPS": 1},  # the weight sums over a tile's steps inside each thread
+    {"conv.INPUT_GRAD_WARPS": 1},  # 1 warp: 16-byte loads of a tile's rows
     {"conv.INPUT_GRAD_WARPS": 2},
-    {"conv.INPUT_GRAD_TILE_ELEMENTS": 2048, "conv.INPUT_GRAD_WARPS": 2},
-    {"conv.INPUT_GRAD_TILE_ELEMENTS": 2048},
-    {"conv.INPUT_GRAD_TILE_ELEMENTS": 4096, "conv.INPUT_GRAD_WARPS": 8},
+    {"conv.INPUT_GRAD_WARPS": 2, "conv.INPUT_GRAD_TILE_ELEMENTS": 2048},
+    {"conv.INPUT_GRAD_WARPS": 1, "conv.BACKWARD_WARPS": 4},
+    {"conv.INPUT_GRAD_WARPS": 1, "conv.BACKWARD_WARPS": 2},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
              lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)
@@ -539,7 +538,7 @@ def glue_kernels(hidden: int, head_dim: int, inp: str) -> dict:
                 conv.BACKWARD_WARPS)
             out[f"conv input grad {label}{name}"] = (
                 conv._conv_input_grad_kernel, input_grad_pointers, {},
-                dict(W=4, WB=4, CH=channels, BT=conv.step_block(channels, conv.INPUT_GRAD_TILE_ELEMENTS), BD=channels,
+                dict(W=4, CH=channels, BT=conv.step_block(channels, conv.INPUT_GRAD_TILE_ELEMENTS), BD=channels,
                      BS=4, **flags),
                 conv.INPUT_GRAD_WARPS)
     rows, block = norm._row_block(head_dim)

@@ -136,30 +136,18 @@ def _pre_activation_grad(
 
 
 @triton.jit
-def _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok,
-                W: tl.constexpr, WB: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    """``sum_m weight[W - 1 - m] * dz[s + m]`` over the taps that read row ``s`` (``dz`` from
-    ``d_pre``, zero outside ``[0, T)``; with packed sequences a step reaches back ``m`` rows only
-    inside its own sequence). Also each tap's weight-gradient sum over these
-    rows, ``sum_s dz[s + m] * x[s]`` for tap ``W - 1 - m`` (``x_tile``: the inputs at rows s, as
-    the taps read them), as a [channels, WB] tile, and the bias-gradient sum ``sum_s dz[s]``."""
-    grad = tl.zeros((s.shape[0], cols.shape[0]), dtype=tl.float32)
-    taps = tl.arange(0, WB)
-    sums = tl.zeros((cols.shape[0], WB), dtype=tl.float32)
-    bias_sum = tl.zeros((cols.shape[0],), dtype=tl.float32)
-    for m in tl.static_range(W):
-        t = s + m
-        row_ok = (t >= 0) & (t < T)
-        dz = tl.load(d_pre + (i_b * T + t)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        if HAS_POSITIONS and m > 0:
-            position = tl.load(positions + i_b * T + t, mask=row_ok, other=0)
-            dz = tl.where((position >= m)[:, None], dz, 0.0)
-        tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
-        grad += dz * tap[None, :]
-        sums += tl.where(taps[None, :] == W - 1 - m, tl.sum(dz * x_tile, 0)[:, None], 0.0)
-        if m == 0:
-            bias_sum = tl.sum(dz, 0)
-    return grad, sums, bias_sum
+def _shifted_pre_grad(d_pre, positions, i_b, s, m: tl.constexpr, T, D, cols, col_ok, rows_ok,
+                      HAS_POSITIONS: tl.constexpr):
+    """``dz[s + m]``: the pre-activation gradient of the step that reads row ``s`` through its
+    ``m``-th tap back (zero outside ``[0, T)`` and where ``rows_ok`` is False; with packed
+    sequences a step reaches back ``m`` rows only inside its own sequence)."""
+    t = s + m
+    row_ok = (t >= 0) & (t < T) & rows_ok
+    dz = tl.load(d_pre + (i_b * T + t)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if HAS_POSITIONS and m > 0:
+        position = tl.load(positions + i_b * T + t, mask=row_ok, other=0)
+        dz = tl.where((position >= m)[:, None], dz, 0.0)
+    return dz
 
 
 @triton.jit
@@ -190,12 +178,15 @@ def _conv_input_grad_kernel(
     x, state,  # the forward's inputs (for the weight gradient)
     dx, d_state, d_weight_parts, d_bias_parts,  # [B, T, D], [B, W - 1, D], [B * blocks, D, W] f32, [B * blocks, D] f32
     T, D, stride_x,
-    W: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    W: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
-    """dx of one block of steps (and, in the first block, the state's gradient): each row's
-    taps read ``dz`` of the W steps that read it, from memory; and the block's partial sums of
-    the weight and bias gradients (one part per block)."""
+    """dx of one block of steps, ``sum_m weight[W - 1 - m] dz[s + m]`` over the taps that read
+    row s (``dz`` read from memory), and the block's partial sums of the weight and bias
+    gradients (one part per block): tap ``W - 1 - m``'s is ``sum_s dz[s + m] x[s]``, stored as it
+    is made (a [channels] vector per tap: no [channels, taps] tile, whose layout the compiler
+    would impose on the loads). The first block also takes the state's rows (steps -(W - 1) ..
+    -1): their gradient, and their share of the weight sums."""
     i_t = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -204,29 +195,35 @@ def _conv_input_grad_kernel(
     col_ok = (lane < CH) & (cols < D)
     s = i_t * BT + tl.arange(0, BT)
     x_tile = _inputs(x, state, mask, i_b, s, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-    grad, d_weight, d_bias = _input_grad(d_pre, weight, positions, x_tile, i_b, s, T, D, cols, col_ok, W, WB,
-                                         HAS_POSITIONS)
+    grad = tl.zeros((BT, BD), dtype=tl.float32)
+    if HAS_STATE:  # the state's rows, in the first block only (elsewhere every load is masked off)
+        r = tl.arange(0, BS) - (W - 1)
+        r_ok = (r < 0) & (i_t + 0 * r == 0)  # vectors: the interpreter needs them
+        first_cols = col_ok & (i_t + 0 * cols == 0)
+        r_tile = _inputs(x, state, mask, i_b, r, T, D, stride_x, cols, first_cols, W, HAS_STATE, HAS_MASK)
+        r_tile = tl.where((r < 0)[:, None], r_tile, 0.0)  # rows from 0 on are the block's own
+        grad_r = tl.zeros((BS, BD), dtype=tl.float32)
+    part = i_b * tl.num_programs(0) + i_t
+    for m in tl.static_range(W):
+        tap = tl.load(weight + cols * W + (W - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
+        dz = _shifted_pre_grad(d_pre, positions, i_b, s, m, T, D, cols, col_ok, s >= 0, HAS_POSITIONS)
+        grad += dz * tap[None, :]
+        tap_sum = tl.sum(dz * x_tile, 0)
+        if m == 0 and HAS_BIAS:
+            tl.store(d_bias_parts + part * D + cols, tl.sum(dz, 0), mask=col_ok)
+        if HAS_STATE:
+            dz_r = _shifted_pre_grad(d_pre, positions, i_b, r, m, T, D, cols, col_ok, r_ok, HAS_POSITIONS)
+            grad_r += dz_r * tap[None, :]
+            tap_sum += tl.sum(dz_r * r_tile, 0)
+        tl.store(d_weight_parts + (part * D + cols) * W + (W - 1 - m), tap_sum, mask=col_ok)
     if HAS_MASK:  # padding steps read zero input: no gradient reaches them
         keep = tl.load(mask + i_b * T + s, mask=s < T, other=0) != 0
         grad = tl.where(keep[:, None], grad, 0.0)
     tl.store(dx + (i_b * T + s)[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty),
              mask=(s < T)[:, None] & col_ok[None, :])
     if HAS_STATE:
-        if i_t == 0:  # the state's rows are the steps -(W - 1) .. -1
-            r = tl.arange(0, BS) - (W - 1)
-            r_tile = _inputs(x, state, mask, i_b, r, T, D, stride_x, cols, col_ok, W, HAS_STATE, HAS_MASK)
-            r_tile = tl.where((r < 0)[:, None], r_tile, 0.0)  # rows from 0 on are the first block's
-            grad_r, sums_r, _ = _input_grad(d_pre, weight, positions, r_tile, i_b, r, T, D, cols, col_ok, W, WB,
-                                            HAS_POSITIONS)
-            d_weight += sums_r
-            tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
-                     grad_r.to(d_state.dtype.element_ty), mask=(r < 0)[:, None] & col_ok[None, :])
-    part = i_b * tl.num_programs(0) + i_t
-    taps = tl.arange(0, WB)
-    tl.store(d_weight_parts + (part * D + cols[:, None]) * W + taps[None, :], d_weight,
-             mask=col_ok[:, None] & (taps < W)[None, :])
-    if HAS_BIAS:
-        tl.store(d_bias_parts + part * D + cols, d_bias, mask=col_ok)
+        tl.store(d_state + (i_b * (W - 1) + W - 1 + r)[:, None] * D + cols[None, :],
+                 grad_r.to(d_state.dtype.element_ty), mask=r_ok[:, None] & col_ok[None, :])
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -301,7 +298,7 @@ def conv_backward(x, weight, bias, state, positions, mask, dy, head_dim: int | N
         d_pre, weight, x if positions is None else positions, x if mask is None else mask,
         x, x if state is None else state,
         dx, dx if d_state is None else d_state, d_weight_parts, d_bias_parts, T, D, row_stride(x),
-        W=W, WB=triton.next_power_of_2(W), CH=CH, BT=BT_input, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
+        W=W, CH=CH, BT=BT_input, BD=BD, BS=max(2, triton.next_power_of_2(W - 1)),
         **{key: value for key, value in flags.items() if key != "NORMALIZE"}, num_warps=INPUT_GRAD_WARPS,
     )
     d_bias = d_bias_parts.sum(0) if bias is not None else None
