@@ -80,11 +80,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
     parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="compile only these kernels (names as printed)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
     inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
     for name, (kernel, pointers, scalars, constants, warps) in kernels(args.K, args.V, inp, args.dot, args.packed).items():
+        if args.only and name not in args.only:
+            continue
         try:
             shared, report = compile_kernel(kernel, pointers, scalars, constants, warps)
             print(f"{name:16s} {warps} warps, shared {shared / 1024:.1f} KiB, {summary(report)}", flush=True)
@@ -118,10 +121,15 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
              chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
+    diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32")
     out["diagonal"] = (
-        fk._diagonal_kernel, dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32"), {},
-        dict(K=K, BK=bk, PACKED=packed),
+        fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=bk, DOT=dot, FORM="rows", PACKED=packed),
         fk.DIAGONAL_WARPS,
+    )
+    out["diagonal_groups"] = (
+        fk._diagonal_kernel, diagonal_pointers, {},
+        dict(K=K, BK=min(fk.DIAGONAL_GROUPS_KEY_BLOCK, bk), DOT=dot, FORM="groups", PACKED=packed),
+        fk.DIAGONAL_GROUPS_WARPS,
     )
     out["state_forward"] = (
         fk._state_forward_kernel,

@@ -317,3 +317,80 @@ def test_public_entry_on_the_kernel_path_compiles_without_graph_breaks(seed, int
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(loss, backend="aot_eager", fullgraph=True)(*tensors), eager)
+
+
+def _diagonal_tiles_reference(q, k, g, b, chunks):
+    """The diagonal 16x16 tiles of P (lower, with the diagonal) and A (strictly lower) in float64,
+    from the definition, with the inputs the diagonal launch reads: non-finite k and b as 0, NaN
+    and +inf in g as 0. ``chunks``: (batch row, first token, length) per chunk."""
+    def clean(x):
+        return np.where(np.isfinite(x), x, 0.0)
+
+    k, b = clean(k), clean(b)
+    g = np.where(np.isnan(g) | (g == np.inf), 0.0, g)
+    B, T, H, K = q.shape
+    P = np.zeros((B, H, len(chunks), 64, 64))
+    A = np.zeros((B, H, len(chunks), 64, 64))
+    for n, (row, first, length) in enumerate(chunks):
+        for t_i in range(first, first + length):
+            i = t_i - first
+            start = first + (i // 16) * 16
+            for t_j in range(start, t_i + 1):
+                with np.errstate(invalid="ignore"):
+                    decay = np.exp(g[row, t_j + 1:t_i + 1].sum(axis=0))  # [H, K]; the empty span: 1
+                kd = k[row, t_j] * decay
+                P[row, :, n, i, t_j - first] = (q[row, t_i] * kd).sum(-1)
+                if t_j < t_i:
+                    A[row, :, n, i, t_j - first] = (b[row, t_i] * k[row, t_i] * kd).sum(-1)
+    return P, A
+
+
+@pytest.mark.parametrize("form", ["rows", "groups"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_diagonal_launch_forms(form, packed, seed, interpreter, monkeypatch):
+    """The diagonal launch alone, in each form, against the definition in float64: hard resets
+    (g = -inf on some channels in the middle of a group, at a group's first row, at a
+    sub-block's first row), log decays down to -20, a NaN in g, non-finite k and b, rows past T
+    (T not a multiple of 64), packed sequences (a chunk table, one sequence not a multiple of 16)."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "DIAGONAL_FORM", form)
+    rng = np.random.default_rng(seed)
+    B, T, H, K = (1, 117, 2, 48) if packed else (2, 100, 2, 40)
+    q, k, b = (rng.standard_normal((B, T, H, K)) for _ in range(3))
+    b = rng.uniform(0.0, 2.0, (B, T, H, K))
+    g = rng.uniform(-20.0, 0.0, (B, T, H, K)) * (rng.uniform(size=(B, T, H, K)) < 0.3)
+    g[0, 6, 0, :5] = -np.inf  # the middle of a group
+    g[0, 20, 1, 3:9] = -np.inf  # a group's first row
+    g[B - 1, 64 + 32, 0, 10:] = -np.inf  # a sub-block's first row
+    g[B - 1, 50, 1, 7] = np.nan
+    g[0, 71, 0, 2] = np.inf
+    k[0, 9, 1, 4] = np.inf
+    k[B - 1, 35, 0, 0] = np.nan
+    b[0, 12, 0, 11] = -np.inf
+    if packed:
+        lengths = [37, 80]
+        chunks = [(0, 0, 37), (0, 37, 64), (0, 101, 16)]
+        table = torch.tensor([[first, length] for _, first, length in chunks], dtype=torch.int32)
+    else:
+        chunks = [(row, 64 * n, min(64, T - 64 * n)) for row in range(B) for n in range(2)]
+        table = None
+    N = len(chunks) // B
+    # the launch writes only the diagonal tiles
+    P = torch.full((B, H, N, 64, 64), float("nan"))
+    A = torch.full((B, H, N, 64, 64), float("nan"))
+    tensors = [torch.tensor(x, dtype=torch.float32) for x in (q, k, g, b)]
+    forward.diagonal(*tensors, P, A, "ieee", table)
+    inputs = [x.double().numpy() for x in tensors]
+    P_expected, A_expected = _diagonal_tiles_reference(*inputs, [(row, first, length) for row, first, length in chunks])
+    if not packed:  # chunks of a batch row are numbered within the row
+        P_expected = P_expected.reshape(B, H, B, N, 64, 64)[np.arange(B), :, np.arange(B)]
+        A_expected = A_expected.reshape(B, H, B, N, 64, 64)[np.arange(B), :, np.arange(B)]
+    for I in range(4):
+        tile = slice(16 * I, 16 * I + 16)
+        for name, got, expected in (("P", P, P_expected), ("A", A, A_expected)):
+            got_tile = got[..., tile, tile].double().numpy()
+            expected_tile = expected[..., tile, tile]
+            assert np.isfinite(got_tile).all(), (name, I, seed)
+            error = np.abs(got_tile - expected_tile).max() / np.abs(expected_tile).max()
+            assert error <= 1e-5, (name, I, error, seed)

@@ -3,7 +3,9 @@
 Five launches:
 
 * ``_diagonal_kernel`` (one program per 16-row sub-block and head, parallel): the diagonal 16x16
-  tiles of the erase interactions ``A`` and of the query-key interactions ``P``;
+  tiles of the erase interactions ``A`` and of the query-key interactions ``P``, in one of two
+  forms (``DIAGONAL_FORM``): "rows", one row per step, or "groups", the rows in four groups of
+  four (inside a group the step chain, all groups at once; across groups the products below);
 * ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
   and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``; from the same key loop,
   the decayed queries and keys the sequential pass and the output use, ``qd = q * exp(G)``,
@@ -28,7 +30,9 @@ decay of a whole sub-block:
 * an off-diagonal tile (I > J) is a matrix product ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T``
   over the sub-blocks M strictly between, all factors <= 1;
 * a diagonal tile is built one row i at a time, ``E_i[j] = E_{i-1}[j] e^{g_i}`` for ``j < i``
-  (products of per-step decays, one exponential per step and channel);
+  (products of per-step decays, one exponential per step and channel); in the "groups" form only
+  inside groups of four rows, the groups' 4x4 off-diagonal blocks being products as above with
+  groups in place of sub-blocks;
 * ``exp(G_i) = e^{L_i} prod_{M<I} t_M`` and ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``.
 
 Masks are selects (``tl.where``), never multiplications, so ``-inf`` never meets a zero.
@@ -48,7 +52,10 @@ CHUNK = 64
 
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 2
-DIAGONAL_WARPS = 2
+DIAGONAL_FORM = "rows"  # "rows": one tile row per step; "groups": four groups of four rows at once, products across groups
+DIAGONAL_WARPS = 2  # the "rows" form
+DIAGONAL_GROUPS_WARPS = 1  # the "groups" form: one warp holds a 16x16 product without copies
+DIAGONAL_GROUPS_KEY_BLOCK = 32  # the "groups" form: key columns per step of its key loop
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
@@ -192,36 +199,46 @@ def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
 def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
-    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, PACKED: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, FORM: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
-    sub-block per program, one row i at a time: ``E[j] = exp(g_{j+1} + ... + g_i)`` for every
-    column j < i is the previous row's times ``exp(g_i)`` (products of per-step decays: every pair
-    keeps its own span, a hard reset zeroes the spans through it, and a bad value at step s
-    reaches rows s and later only). Entries above the row's diagonal are selected away. The row
-    loop is unrolled, so that the rows' loads and reductions overlap (only the one multiplication
-    of E carries from row to row)."""
+    sub-block per program, in the form ``FORM`` (``DIAGONAL_FORM``): "rows"
+    (``_diagonal_by_rows``, BK covers K) or "groups" (``_diagonal_by_groups``, blocks of BK key
+    columns, cross-group entries as products in ``DOT`` precision)."""
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
     I = i_s % 4
     i_b = i_bh // H
     i_h = i_bh % H
+    chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    first = chunk_first + I * 16  # the sub-block's first token
+    sequence = i_b * T * H * K + i_h * K
+    tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
+    if FORM == "groups":
+        _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
+                            first, end, H * K, K, BK, DOT)
+    else:
+        _diagonal_by_rows(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
+                          first, end, H * K, K, BK)
+
+
+@triton.jit
+def _diagonal_by_rows(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.constexpr, BK: tl.constexpr):
+    """One diagonal tile (inputs at the sequence and head, ``P_tile``, ``A_tile`` at the tile's
+    first entry, ``first`` the sub-block's first token), one row i at a time: ``E[j] = exp(g_{j+1}
+    + ... + g_i)`` for every column j < i is the previous row's times ``exp(g_i)`` (products of
+    per-step decays: every pair keeps its own span, a hard reset zeroes the spans through it, and
+    a bad value at step s reaches rows s and later only). Entries above the row's diagonal are
+    selected away. The row loop is unrolled, so that the rows' loads and reductions overlap (only
+    the one multiplication of E carries from row to row)."""
     r = tl.arange(0, 16)
     cols = tl.arange(0, BK)
     col_ok = cols < K
-    HK = H * K
-    chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    first = chunk_first + I * 16  # the sub-block's first token
-    sequence = i_b * T * HK + i_h * K
-    q += sequence
-    k += sequence
-    g += sequence
-    b += sequence
     rows = (first + r)[:, None] * HK + cols[None, :]
     k_tile = _load_finite(k + rows, (first + r < end)[:, None] & col_ok[None, :])
     E = tl.zeros((16, BK), dtype=tl.float32)
-    tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     for i in tl.static_range(16):
         row = (first + i) * HK + cols  # the pointers are at the sequence and head already
         row_ok = col_ok & (first + i + 0 * cols < end)  # a vector: the interpreter needs one
@@ -230,8 +247,152 @@ def _diagonal_kernel(
         bk_i = _load_finite(b + row, row_ok) * _load_finite(k + row, row_ok)
         E = tl.where(r[:, None] < i, E * decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
         k_E = k_tile * E
-        tl.store(A_out + tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
-        tl.store(P_out + tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
+        tl.store(A_tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
+        tl.store(P_tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
+
+
+@triton.jit
+def _position_rows(q, k, g, b, first, p: tl.constexpr, end, HK, cols, col_ok):
+    """Rows ``4 G + p`` of a sub-block (position p of each group G = 0..3), as [4, BK] float32:
+    q, k, b * k and the decays ``exp(g)`` (k and b non-finite read as 0, g as in ``_decay``; rows
+    past end read as 0, a decay of 1)."""
+    t = first + 4 * tl.arange(0, 4) + p
+    rows = t[:, None] * HK + cols[None, :]
+    ok = (t < end)[:, None] & col_ok[None, :]
+    q_p = tl.load(q + rows, mask=ok, other=0.0).to(tl.float32)
+    k_p = _load_finite(k + rows, ok)
+    return q_p, k_p, _load_finite(b + rows, ok) * k_p, tl.exp(_load_decay(g + rows, ok))
+
+
+@triton.jit
+def _stack_positions(x0, x1, x2, x3, BK: tl.constexpr):
+    """[16, BK] with row ``4 p + G`` holding ``x_p[G]`` (position-major: a dot operand)."""
+    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [G, c, s, u] = x_{2u+s}
+    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (16, BK))
+
+
+@triton.jit
+def _store_group_entry(tile, p: tl.constexpr, j: tl.constexpr, values):
+    """``values[G]`` at row ``4 G + p``, column ``4 G + j`` of a diagonal tile, G = 0..3."""
+    G = tl.arange(0, 4)
+    tl.store(tile + (4 * G + p) * 64 + 4 * G + j, values)
+
+
+@triton.jit
+def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.constexpr, BK: tl.constexpr,
+                        DOT: tl.constexpr):
+    """One diagonal tile (arguments as ``_diagonal_by_rows``) from its rows in four groups of four.
+
+    Each position p of the groups is its own [4, BK] tile (rows ``4 G + p``), so that inside the
+    groups the rows form runs on all four groups at once in four steps, ``E_j <- E_j exp(g_p)``
+    (products of per-step decays, one exponential per entry of g), with nothing moved between
+    rows. Across groups (group I > J), as in ``_intra_forward_kernel`` between sub-blocks: the
+    products ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T`` over the groups M strictly between, with
+    ``e^L`` the inclusive prefix product of the decays inside a group, ``e^R`` the exclusive
+    suffix product (the step chain's E at the last step) and ``t_M`` a group's total, every factor
+    <= 1. Two products per matrix cover every such block without masking an operand: adjacent
+    groups (I = J + 1) with the spans inside the two groups, and groups 2, 3 against 0, 1 with the
+    spans from and to the middle of the sub-block (``e^L`` times ``t_2`` in group 3, ``e^R``
+    times ``t_1`` in group 0); each entry is selected from the product that holds it. The
+    operands are stacked position-major (row ``4 p + G``), as the position tiles join without
+    moving data. Masks are selects: a hard reset zeroes the spans through it, a bad q reaches its
+    own row of P only."""
+    G = tl.arange(0, 4)
+    zero = tl.zeros((4,), dtype=tl.float32)
+    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero
+    A10, A20, A21, A30, A31, A32 = zero, zero, zero, zero, zero, zero
+    P_near = tl.zeros((16, 16), dtype=tl.float32)
+    A_near = P_near
+    P_far = P_near
+    A_far = P_near
+    group = tl.arange(0, 16)[:, None] % 4  # of a stacked row
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        # inside the groups, step p: E_j = exp(g_{j+1} + ... + g_p) for the positions j < p
+        q0, k_0, bk0, e0 = _position_rows(q, k, g, b, first, 0, end, HK, cols, col_ok)
+        P00 += tl.sum(k_0 * q0, 1)
+        q1, k_1, bk1, e1 = _position_rows(q, k, g, b, first, 1, end, HK, cols, col_ok)
+        E0 = e1
+        kE0 = k_0 * E0
+        P10 += tl.sum(kE0 * q1, 1)
+        A10 += tl.sum(kE0 * bk1, 1)
+        P11 += tl.sum(k_1 * q1, 1)
+        q2, k_2, bk2, e2 = _position_rows(q, k, g, b, first, 2, end, HK, cols, col_ok)
+        E0 = E0 * e2
+        E1 = e2
+        kE0 = k_0 * E0
+        kE1 = k_1 * E1
+        P20 += tl.sum(kE0 * q2, 1)
+        A20 += tl.sum(kE0 * bk2, 1)
+        P21 += tl.sum(kE1 * q2, 1)
+        A21 += tl.sum(kE1 * bk2, 1)
+        P22 += tl.sum(k_2 * q2, 1)
+        q3, k_3, bk3, e3 = _position_rows(q, k, g, b, first, 3, end, HK, cols, col_ok)
+        E0 = E0 * e3
+        E1 = E1 * e3
+        E2 = e3
+        kE0 = k_0 * E0  # k e^R: the right factors
+        kE1 = k_1 * E1
+        kE2 = k_2 * E2
+        P30 += tl.sum(kE0 * q3, 1)
+        A30 += tl.sum(kE0 * bk3, 1)
+        P31 += tl.sum(kE1 * q3, 1)
+        A31 += tl.sum(kE1 * bk3, 1)
+        P32 += tl.sum(kE2 * q3, 1)
+        A32 += tl.sum(kE2 * bk3, 1)
+        P33 += tl.sum(k_3 * q3, 1)
+
+        # across the groups
+        L1 = e0 * e1
+        L2 = L1 * e2
+        t = L2 * e3  # each group's total decay
+        t1 = tl.sum(tl.where(G[:, None] == 1, t, 0.0), 0)[None, :]
+        t2 = tl.sum(tl.where(G[:, None] == 2, t, 0.0), 0)[None, :]
+        left_q = _stack_positions(q0 * e0, q1 * L1, q2 * L2, q3 * t, BK)
+        left_bk = _stack_positions(bk0 * e0, bk1 * L1, bk2 * L2, bk3 * t, BK)
+        right = _stack_positions(kE0, kE1, kE2, k_3, BK)
+        # adjacent groups (I = J + 1): the spans inside the two groups
+        P_near = tl.dot(left_q, tl.trans(right), P_near, input_precision=DOT)
+        A_near = tl.dot(left_bk, tl.trans(right), A_near, input_precision=DOT)
+        # groups 2, 3 against groups 0, 1: the spans from and to the middle of the sub-block
+        from_middle = tl.where(group == 3, t2, 1.0)
+        right = right * tl.where(group == 0, t1, 1.0)
+        P_far = tl.dot(left_q * from_middle, tl.trans(right), P_far, input_precision=DOT)
+        A_far = tl.dot(left_bk * from_middle, tl.trans(right), A_far, input_precision=DOT)
+
+    # Stacked row 4 p + G is the tile's row 4 G + p. The products give the entries of earlier
+    # groups (the rest selected away: a bad q makes its whole product row non-finite); the
+    # entries inside the groups are stored from the step sums.
+    stacked = tl.arange(0, 16)
+    tile_row = 4 * (stacked % 4) + stacked // 4
+    entries = tile_row[:, None] * 64 + tile_row[None, :]
+    row_group = (stacked % 4)[:, None]
+    column_group = (stacked % 4)[None, :]
+    earlier = column_group < row_group
+    inside_P = (column_group == row_group) & (stacked[None, :] // 4 <= stacked[:, None] // 4)
+    inside_A = (column_group == row_group) & (stacked[None, :] // 4 < stacked[:, None] // 4)
+    far = (row_group >= 2) & (column_group <= 1)
+    P = tl.where(far, P_far, tl.where(earlier, P_near, 0.0))
+    A = tl.where(far, A_far, tl.where(earlier, A_near, 0.0))
+    tl.store(P_tile + entries, P, mask=~inside_P)
+    tl.store(A_tile + entries, A, mask=~inside_A)
+    _store_group_entry(P_tile, 0, 0, P00)
+    _store_group_entry(P_tile, 1, 0, P10)
+    _store_group_entry(P_tile, 1, 1, P11)
+    _store_group_entry(P_tile, 2, 0, P20)
+    _store_group_entry(P_tile, 2, 1, P21)
+    _store_group_entry(P_tile, 2, 2, P22)
+    _store_group_entry(P_tile, 3, 0, P30)
+    _store_group_entry(P_tile, 3, 1, P31)
+    _store_group_entry(P_tile, 3, 2, P32)
+    _store_group_entry(P_tile, 3, 3, P33)
+    _store_group_entry(A_tile, 1, 0, A10)
+    _store_group_entry(A_tile, 2, 0, A20)
+    _store_group_entry(A_tile, 2, 1, A21)
+    _store_group_entry(A_tile, 3, 0, A30)
+    _store_group_entry(A_tile, 3, 1, A31)
+    _store_group_entry(A_tile, 3, 2, A32)
 
 
 @triton.jit
@@ -459,6 +620,25 @@ def _wy_kernel(
                     first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
 
+def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
+    """Launch ``_diagonal_kernel`` in the form ``DIAGONAL_FORM``: the diagonal 16x16 tiles of ``P``
+    and ``A`` (``[B, H, N, 64, 64]`` float32; ``A``'s are written into X's buffer by
+    ``intra_forward``), nothing else of either."""
+    B, T, H, K = q.shape
+    N = P.shape[2]
+    key_block = max(16, triton.next_power_of_2(K))
+    if DIAGONAL_FORM == "groups":
+        settings = dict(BK=min(DIAGONAL_GROUPS_KEY_BLOCK, key_block), num_warps=DIAGONAL_GROUPS_WARPS)
+    elif DIAGONAL_FORM == "rows":
+        settings = dict(BK=key_block, num_warps=DIAGONAL_WARPS)
+    else:
+        raise ValueError(f"DIAGONAL_FORM must be 'rows' or 'groups', not {DIAGONAL_FORM!r}")
+    _diagonal_kernel[(N * 4, B * H)](
+        q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, DOT=dot_precision, FORM=DIAGONAL_FORM,
+        PACKED=chunk_table is not None, num_stages=1, **settings,
+    )
+
+
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X with the decays, then
     the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
@@ -471,10 +651,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     V = v.shape[-1]
     N = P.shape[2]
     table, packed = _table(chunk_table, P), chunk_table is not None
-    _diagonal_kernel[(N * 4, B * H)](
-        q, k, g, b, P, X, table, T, H, K, N, BK=max(16, triton.next_power_of_2(K)), PACKED=packed,
-        num_warps=DIAGONAL_WARPS, num_stages=1,
-    )
+    diagonal(q, k, g, b, P, X, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
