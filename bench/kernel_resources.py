@@ -123,13 +123,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     )
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32")
     out["diagonal"] = (
-        fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=bk, DOT=dot, FORM="rows", PACKED=packed),
+        fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.DIAGONAL_WARPS,
-    )
-    out["diagonal_groups"] = (
-        fk._diagonal_kernel, diagonal_pointers, {},
-        dict(K=K, BK=min(fk.DIAGONAL_GROUPS_KEY_BLOCK, bk), DOT=dot, FORM="groups", PACKED=packed),
-        fk.DIAGONAL_GROUPS_WARPS,
     )
     out["state_forward"] = (
         fk._state_forward_kernel,

@@ -52,11 +52,8 @@ OPERATOR_INPUTS = ("float32", "projections")
 # and norm), each timed on the layer rows' inputs and compared with the default settings
 # (``--variants``): here the convolution's two backward launches at other warp counts and tiles.
 GLUE_VARIANTS: list[dict] = [
-    {"conv.INPUT_GRAD_WARPS": 1},  # 1 warp: 16-byte loads of a tile's rows
-    {"conv.INPUT_GRAD_WARPS": 2},
-    {"conv.INPUT_GRAD_WARPS": 2, "conv.INPUT_GRAD_TILE_ELEMENTS": 2048},
-    {"conv.INPUT_GRAD_WARPS": 1, "conv.BACKWARD_WARPS": 4},
-    {"conv.INPUT_GRAD_WARPS": 1, "conv.BACKWARD_WARPS": 2},
+    {"conv.BACKWARD_WARPS": 4},
+    {"conv.BACKWARD_WARPS": 2},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
              lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)

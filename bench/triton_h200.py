@@ -57,11 +57,7 @@ CHECK_SHAPES = [
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
-    dict(DIAGONAL_WARPS=1),  # the diagonal launch's row sums inside one warp (shuffles, no shared memory)
-    dict(DIAGONAL_FORM="groups"),  # one warp, 32 key columns per step
-    dict(DIAGONAL_FORM="groups", DIAGONAL_GROUPS_WARPS=2),
-    dict(DIAGONAL_FORM="groups", DIAGONAL_GROUPS_KEY_BLOCK=16),
-    dict(DIAGONAL_FORM="groups", DIAGONAL_GROUPS_KEY_BLOCK=64, DIAGONAL_GROUPS_WARPS=2),
+    dict(DIAGONAL_KEY_BLOCK=32),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

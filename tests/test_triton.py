@@ -345,16 +345,16 @@ def _diagonal_tiles_reference(q, k, g, b, chunks):
     return P, A
 
 
-@pytest.mark.parametrize("form", ["rows", "groups"])
+@pytest.mark.parametrize("key_block", [16, 32])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_diagonal_launch_forms(form, packed, seed, interpreter, monkeypatch):
-    """The diagonal launch alone, in each form, against the definition in float64: hard resets
+def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
+    """The diagonal launch alone against the definition in float64: hard resets
     (g = -inf on some channels in the middle of a group, at a group's first row, at a
     sub-block's first row), log decays down to -20, a NaN in g, non-finite k and b, rows past T
     (T not a multiple of 64), packed sequences (a chunk table, one sequence not a multiple of 16)."""
     from gdn2.torch.triton import forward
 
-    monkeypatch.setattr(forward, "DIAGONAL_FORM", form)
+    monkeypatch.setattr(forward, "DIAGONAL_KEY_BLOCK", key_block)  # K = 40, 48: a partial last block
     rng = np.random.default_rng(seed)
     B, T, H, K = (1, 117, 2, 48) if packed else (2, 100, 2, 40)
     q, k, b = (rng.standard_normal((B, T, H, K)) for _ in range(3))

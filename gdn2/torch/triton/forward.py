@@ -3,9 +3,9 @@
 Five launches:
 
 * ``_diagonal_kernel`` (one program per 16-row sub-block and head, parallel): the diagonal 16x16
-  tiles of the erase interactions ``A`` and of the query-key interactions ``P``, in one of two
-  forms (``DIAGONAL_FORM``): "rows", one row per step, or "groups", the rows in four groups of
-  four (inside a group the step chain, all groups at once; across groups the products below);
+  tiles of the erase interactions ``A`` and of the query-key interactions ``P``, the rows in four
+  groups of four (inside a group a chain of per-step decays, all groups at once; across groups
+  the products below);
 * ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
   and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``; from the same key loop,
   the decayed queries and keys the sequential pass and the output use, ``qd = q * exp(G)``,
@@ -29,10 +29,9 @@ decay of a whole sub-block:
 
 * an off-diagonal tile (I > J) is a matrix product ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T``
   over the sub-blocks M strictly between, all factors <= 1;
-* a diagonal tile is built one row i at a time, ``E_i[j] = E_{i-1}[j] e^{g_i}`` for ``j < i``
-  (products of per-step decays, one exponential per step and channel); in the "groups" form only
-  inside groups of four rows, the groups' 4x4 off-diagonal blocks being products as above with
-  groups in place of sub-blocks;
+* inside a group of four rows of a diagonal tile, ``E_i[j] = E_{i-1}[j] e^{g_i}`` for ``j < i``
+  (products of per-step decays, one exponential per step and channel); the groups' 4x4
+  off-diagonal blocks are products as above, with groups in place of sub-blocks;
 * ``exp(G_i) = e^{L_i} prod_{M<I} t_M`` and ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``.
 
 Masks are selects (``tl.where``), never multiplications, so ``-inf`` never meets a zero.
@@ -52,10 +51,8 @@ CHUNK = 64
 
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 2
-DIAGONAL_FORM = "rows"  # "rows": one tile row per step; "groups": four groups of four rows at once, products across groups
-DIAGONAL_WARPS = 2  # the "rows" form
-DIAGONAL_GROUPS_WARPS = 1  # the "groups" form: one warp holds a 16x16 product without copies
-DIAGONAL_GROUPS_KEY_BLOCK = 32  # the "groups" form: key columns per step of its key loop
+DIAGONAL_WARPS = 1  # one warp holds a 16x16 product without copies
+DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loop
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
@@ -199,13 +196,11 @@ def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
 def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
-    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, FORM: tl.constexpr,
-    PACKED: tl.constexpr,
+    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
-    sub-block per program, in the form ``FORM`` (``DIAGONAL_FORM``): "rows"
-    (``_diagonal_by_rows``, BK covers K) or "groups" (``_diagonal_by_groups``, blocks of BK key
-    columns, cross-group entries as products in ``DOT`` precision)."""
+    sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
+    products in ``DOT`` precision)."""
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
@@ -216,39 +211,8 @@ def _diagonal_kernel(
     first = chunk_first + I * 16  # the sub-block's first token
     sequence = i_b * T * H * K + i_h * K
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
-    if FORM == "groups":
-        _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
-                            first, end, H * K, K, BK, DOT)
-    else:
-        _diagonal_by_rows(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
-                          first, end, H * K, K, BK)
-
-
-@triton.jit
-def _diagonal_by_rows(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.constexpr, BK: tl.constexpr):
-    """One diagonal tile (inputs at the sequence and head, ``P_tile``, ``A_tile`` at the tile's
-    first entry, ``first`` the sub-block's first token), one row i at a time: ``E[j] = exp(g_{j+1}
-    + ... + g_i)`` for every column j < i is the previous row's times ``exp(g_i)`` (products of
-    per-step decays: every pair keeps its own span, a hard reset zeroes the spans through it, and
-    a bad value at step s reaches rows s and later only). Entries above the row's diagonal are
-    selected away. The row loop is unrolled, so that the rows' loads and reductions overlap (only
-    the one multiplication of E carries from row to row)."""
-    r = tl.arange(0, 16)
-    cols = tl.arange(0, BK)
-    col_ok = cols < K
-    rows = (first + r)[:, None] * HK + cols[None, :]
-    k_tile = _load_finite(k + rows, (first + r < end)[:, None] & col_ok[None, :])
-    E = tl.zeros((16, BK), dtype=tl.float32)
-    for i in tl.static_range(16):
-        row = (first + i) * HK + cols  # the pointers are at the sequence and head already
-        row_ok = col_ok & (first + i + 0 * cols < end)  # a vector: the interpreter needs one
-        decay = tl.exp(_load_decay(g + row, row_ok))
-        q_i = tl.load(q + row, mask=row_ok, other=0.0).to(tl.float32)
-        bk_i = _load_finite(b + row, row_ok) * _load_finite(k + row, row_ok)
-        E = tl.where(r[:, None] < i, E * decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
-        k_E = k_tile * E
-        tl.store(A_tile + i * 64 + r, tl.where(r < i, tl.sum(k_E * bk_i[None, :], 1), 0.0))
-        tl.store(P_tile + i * 64 + r, tl.where(r <= i, tl.sum(k_E * q_i[None, :], 1), 0.0))
+    _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
+                        first, end, H * K, K, BK, DOT)
 
 
 @triton.jit
@@ -281,10 +245,12 @@ def _store_group_entry(tile, p: tl.constexpr, j: tl.constexpr, values):
 @triton.jit
 def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.constexpr, BK: tl.constexpr,
                         DOT: tl.constexpr):
-    """One diagonal tile (arguments as ``_diagonal_by_rows``) from its rows in four groups of four.
+    """One diagonal tile (inputs at the sequence and head, ``P_tile``, ``A_tile`` at the tile's
+    first entry, ``first`` the sub-block's first token) from its rows in four groups of four.
 
     Each position p of the groups is its own [4, BK] tile (rows ``4 G + p``), so that inside the
-    groups the rows form runs on all four groups at once in four steps, ``E_j <- E_j exp(g_p)``
+    groups a chain of per-step decays runs on all four groups at once in four steps,
+    ``E_j <- E_j exp(g_p)``
     (products of per-step decays, one exponential per entry of g), with nothing moved between
     rows. Across groups (group I > J), as in ``_intra_forward_kernel`` between sub-blocks: the
     products ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T`` over the groups M strictly between, with
@@ -621,21 +587,15 @@ def _wy_kernel(
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
-    """Launch ``_diagonal_kernel`` in the form ``DIAGONAL_FORM``: the diagonal 16x16 tiles of ``P``
+    """Launch ``_diagonal_kernel``: the diagonal 16x16 tiles of ``P``
     and ``A`` (``[B, H, N, 64, 64]`` float32; ``A``'s are written into X's buffer by
     ``intra_forward``), nothing else of either."""
     B, T, H, K = q.shape
     N = P.shape[2]
-    key_block = max(16, triton.next_power_of_2(K))
-    if DIAGONAL_FORM == "groups":
-        settings = dict(BK=min(DIAGONAL_GROUPS_KEY_BLOCK, key_block), num_warps=DIAGONAL_GROUPS_WARPS)
-    elif DIAGONAL_FORM == "rows":
-        settings = dict(BK=key_block, num_warps=DIAGONAL_WARPS)
-    else:
-        raise ValueError(f"DIAGONAL_FORM must be 'rows' or 'groups', not {DIAGONAL_FORM!r}")
+    BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
-        q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, DOT=dot_precision, FORM=DIAGONAL_FORM,
-        PACKED=chunk_table is not None, num_stages=1, **settings,
+        q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
+        PACKED=chunk_table is not None, num_warps=DIAGONAL_WARPS, num_stages=1,
     )
 
 
