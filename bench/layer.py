@@ -50,9 +50,11 @@ FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
 OPERATOR_INPUTS = ("float32", "projections")
 # Launch-setting variants of the fused glue ("module.CONSTANT" of gdn2.torch.triton's conv, gates
 # and norm), each timed on the layer rows' inputs and compared with the default settings
-# (``--variants``): here the convolution's two backward launches at other warp counts and tiles.
+# (``--variants``): here the gates', the norms' and the convolution's pre-activation launches at
+# fewer warps.
 GLUE_VARIANTS: list[dict] = [
-    {"conv.BACKWARD_WARPS": 4},
+    {"gates.WARPS": 1},  # one warp: a tile's rows in 16-byte loads, as the convolution's input gradient
+    {"norm.WARPS": 1},
     {"conv.BACKWARD_WARPS": 2},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
