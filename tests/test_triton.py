@@ -394,3 +394,73 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
             assert np.isfinite(got_tile).all(), (name, I, seed)
             error = np.abs(got_tile - expected_tile).max() / np.abs(expected_tile).max()
             assert error <= 1e-5, (name, I, error, seed)
+
+def _intra_forward_buffers(form, inputs, N, chunk_table, monkeypatch, key_block=None):
+    """The in-chunk launches' outputs (the saved qd, kd, gamma, Wk, Uw, P, X and first_bad) under
+    ``forward.INTRA_FORM = form`` (and ``forward.INTRA_SUB_BLOCK_KEY_BLOCK = key_block``, if given)."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "INTRA_FORM", form)
+    if key_block is not None:
+        monkeypatch.setattr(forward, "INTRA_SUB_BLOCK_KEY_BLOCK", key_block)
+    q, k, v, g, b, w = inputs
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    buffers = [torch.full(shape, 7.0, dtype=dtype)  # not zero: every entry must be written
+               for shape, dtype in zip(kernel._saved_shapes(B, N, H, K, V), kernel._saved_dtypes(q.dtype))]
+    qd, kd, gamma, Wk, Uw, P, X, _, _ = buffers
+    first_bad = torch.full((B, H, N, V), -1, dtype=torch.int32)
+    forward.intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, "ieee", chunk_table)
+    return dict(qd=qd, kd=kd, gamma=gamma, Wk=Wk, Uw=Uw, P=P, X=X, first_bad=first_bad)
+
+
+@pytest.mark.parametrize("packed, dtype, key_block", [
+    (False, torch.float32, 64), (False, torch.bfloat16, 16), (True, torch.float32, 16), (True, torch.bfloat16, 64)],
+    ids=["batch-float32-key_block64", "batch-bfloat16-key_block16", "packed-float32-key_block16",
+         "packed-bfloat16-key_block64"])
+def test_intra_forms_save_the_same_buffers(packed, dtype, key_block, seed, interpreter, monkeypatch):
+    """The two forms of the in-chunk stage (``forward.INTRA_FORM``: one program per chunk, or one
+    per sub-block with the inverse in the WY launch) on the same random inputs with hard resets
+    (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
+    +inf in v and in w, padded rows; the sub-block form with several key blocks (16 of K = 48) or
+    one (64): first_bad exactly; P, X, qd, kd, gamma, Wk and Uw up to float32 rounding (the
+    products may be summed in another order; bfloat16 qd, kd: up to one rounding of their own)."""
+    from gdn2.spec import parse_cu_seqlens
+
+    rng = np.random.default_rng(seed)
+    B, T, H, K, V = (1, 150, 2, 48, 24) if packed else (2, 130, 2, 48, 24)
+    q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.float32) for shape in
+               ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
+    g = torch.tensor(rng.uniform(-3.0, 0.0, (B, T, H, K)), dtype=torch.float32)
+    b = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, K)), dtype=torch.float32)
+    w = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, V)), dtype=torch.float32)
+    g[0, 37, 0] = -np.inf  # a hard reset mid sub-block, on every channel
+    g[0, 80, 1, :5] = -np.inf  # at a sub-block's first row, on some channels
+    g[0, 100, 0, 3] = np.nan
+    k[B - 1, 20, 1, 7] = np.inf
+    b[B - 1, 90, 0, 2] = np.nan
+    v[0, 70, 1, 5] = np.inf
+    w[B - 1, 5, 0, 0] = -np.inf
+    inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
+    if packed:
+        chunk_table, _ = kernel._packed_tables(parse_cu_seqlens(np.array([0, 70, 71, 135, T]), 1, T), "cpu")
+        N = chunk_table.shape[0]
+    else:
+        chunk_table, N = None, -(-T // 64)
+    chunk = _intra_forward_buffers("chunk", inputs, N, chunk_table, monkeypatch)
+    sub_block = _intra_forward_buffers("sub_block", inputs, N, chunk_table, monkeypatch, key_block)
+    assert torch.equal(chunk["first_bad"], sub_block["first_bad"])
+    assert (chunk["first_bad"] < 64).any() and (chunk["first_bad"] == 64).any()
+    for name in ("P", "X", "qd", "kd", "gamma", "Wk", "Uw"):
+        want, got = chunk[name].double(), sub_block[name].double()
+        assert torch.isfinite(want).all() and torch.isfinite(got).all(), name
+        assert (want == 0).any(), name  # upper tiles, padded rows (and for the decays, the hard resets) are exact zeros
+        # exact zeros where a hard reset is (span sums of -inf); elsewhere a zero of one form may be
+        # an underflow the other rounds to a subnormal
+        differ = (want == 0) != (got == 0)
+        assert (torch.maximum(want.abs(), got.abs())[differ] < 1e-37).all(), name
+        rtol = 2 ** -7 if chunk[name].dtype == torch.bfloat16 else 2e-5
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6 * want.abs().max().item(), msg=name)
+    for name in ("P", "X"):  # the upper tiles: zero in both
+        upper = torch.ones(64, 64).triu(1).bool() & ~torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
+        assert (sub_block[name][..., upper] == 0).all(), name
