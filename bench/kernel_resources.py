@@ -37,8 +37,7 @@ def _ptxas() -> str:
     raise FileNotFoundError(f"no ptxas in {folder}")
 
 
-def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
-                   num_stages: int = 1):
+def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
     """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report)."""
     names = kernel.arg_names
     signature = {}
@@ -55,7 +54,7 @@ def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], co
     divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -82,20 +81,15 @@ def main() -> None:
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
     parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="compile only these kernels (names as printed)")
-    parser.add_argument("--intra-form", default=None, choices=["chunk", "sub_block"],
-                        help="the forward's in-chunk launch (forward.INTRA_FORM; default: the module's)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
     inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
-    if args.intra_form is not None:
-        forward.INTRA_FORM = args.intra_form
     for name, (kernel, pointers, scalars, constants, warps) in kernels(args.K, args.V, inp, args.dot, args.packed).items():
         if args.only and name not in args.only:
             continue
         try:
-            stages = forward.INTRA_SUB_BLOCK_STAGES if name == "intra_sub_block" else 1  # as the launchers
-            shared, report = compile_kernel(kernel, pointers, scalars, constants, warps, stages)
+            shared, report = compile_kernel(kernel, pointers, scalars, constants, warps)
             print(f"{name:16s} {warps} warps, shared {shared / 1024:.1f} KiB, {summary(report)}", flush=True)
         except Exception as error:  # report every kernel, keep going
             print(f"{name:16s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
@@ -112,30 +106,20 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
-    sub_blocks = fk.INTRA_FORM == "sub_block"
-    if sub_blocks:
-        out["intra_sub_block"] = (
-            fk._intra_sub_block_kernel,
-            dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
-                 gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-            dict(K=K, BK=min(fk.INTRA_SUB_BLOCK_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
-            fk.INTRA_SUB_BLOCK_WARPS,
-        )
-    else:
-        out["intra_forward"] = (
-            fk._intra_forward_kernel,
-            dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
-                 gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-            dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
-            fk.INTRA_FORWARD_WARPS,
-        )
+    out["intra_forward"] = (
+        fk._intra_forward_kernel,
+        dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
+             gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
+        fk.INTRA_FORWARD_WARPS,
+    )
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
-                     PACKED=packed, FROM_SUB_BLOCKS=sub_blocks)
+                     PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=f32, bkd=f32, key_first_bad="i32", Wk_out=f32, Uw_out=f32, first_bad_out="i32",
              chunk_table="i32"),
-        {}, wy_blocks, fk.WY_INVERSE_WARPS if sub_blocks else fk.WY_WARPS,
+        {}, wy_blocks, fk.WY_WARPS,
     )
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32")
     out["diagonal"] = (

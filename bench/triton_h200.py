@@ -58,10 +58,6 @@ CHECK_SHAPES = [
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
     dict(DIAGONAL_KEY_BLOCK=32),
-    dict(INTRA_FORM="sub_block"),
-    dict(INTRA_FORM="sub_block", INTRA_SUB_BLOCK_STAGES=2),
-    dict(INTRA_FORM="sub_block", INTRA_SUB_BLOCK_WARPS=8, INTRA_SUB_BLOCK_KEY_BLOCK=32),
-    dict(INTRA_FORM="sub_block", WY_INVERSE_WARPS=4),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -11,11 +11,8 @@ Five launches:
   the decayed queries and keys the sequential pass and the output use, ``qd = q * exp(G)``,
   ``kd = k * exp(G_last - G)``, ``gamma = exp(G_last)``, and the decayed erase keys
   ``bkd = b * k * exp(G)``;
-  or, with ``INTRA_FORM = "sub_block"``, ``_intra_sub_block_kernel`` (one program per 16-row
-  sub-block and head, parallel): the same tiles, as [64, BK] x [BK, 16] products, and the same
-  decays for its own rows; A's tiles wait in X's buffer for the WY launch to invert;
 * ``_wy_kernel`` (one program per chunk and head, parallel): the WY products ``Wk = X bkd`` and
-  ``Uw = X (w * v)`` (after ``_intra_sub_block_kernel``, first ``X = (I + A)^{-1}``);
+  ``Uw = X (w * v)``;
 * ``state_forward`` (one program per head and block of value columns, sequential over chunks):
   carries the state ``S``; writes the state entering each chunk and the new values
   ``U = Uw - Wk S``; ``S <- gamma * S + kd^T U``.
@@ -59,14 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# The in-chunk launch: "chunk" (_intra_forward_kernel, one program per chunk, X inverted there) or
-# "sub_block" (_intra_sub_block_kernel, one program per 16-row sub-block; X inverted in the WY
-# launch). Both save the same buffers.
-INTRA_FORM = "chunk"
-INTRA_SUB_BLOCK_WARPS = 4
-INTRA_SUB_BLOCK_KEY_BLOCK = 16
-INTRA_SUB_BLOCK_STAGES = 1  # 2: the next key block's loads issued ahead (shared memory)
-WY_INVERSE_WARPS = 8  # the WY launch after "sub_block" (it inverts (I + A) first)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -186,19 +175,12 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, k
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
     g_tile = _decay(g_raw)
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
+    g_next = _load_decay(g + offsets + HK, next_ok)
     L = tl.cumsum(g_tile, 0)
-    R = _suffix_sums(g, offsets, t, T, HK, col_ok)
+    R = tl.cumsum(g_next, 0, reverse=True)
     total = tl.sum(g_tile, 0)
     return q_tile, k_tile, bk, L, R, total, key_bad_rows
-
-
-@triton.jit
-def _suffix_sums(g, offsets, t, T, HK, col_ok):
-    """The exclusive suffix sums ``R`` of the log decays inside the sub-block of rows ``t``
-    (``offsets`` their [16, BK] offsets): row r sums rows r + 1 ... 15 (0 on the last row)."""
-    r = tl.arange(0, 16)
-    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
-    return tl.cumsum(_load_decay(g + offsets + HK, next_ok), 0, reverse=True)
 
 
 @triton.jit
@@ -494,6 +476,19 @@ def _intra_forward_kernel(
 
     tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
 
+    # X = (I + A)^{-1}: diagonal tiles by forward substitution (A's diagonal tiles are where
+    # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written),
+    # the others by the blocked formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32).
+    matrix = X_out + (i_bh * N + i_n) * 64 * 64
+    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+        _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
+    X10 = -_ieee(X11, _ieee(A10, X00))
+    X21 = -_ieee(X22, _ieee(A21, X11))
+    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
+    X32 = -_ieee(X33, _ieee(A32, X22))
+    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
+    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
+
     matrix = P_out + (i_bh * N + i_n) * 64 * 64
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 1, zero)
@@ -508,24 +503,7 @@ def _intra_forward_kernel(
     _store_tile(matrix, 3, 0, P30)
     _store_tile(matrix, 3, 1, P31)
     _store_tile(matrix, 3, 2, P32)
-    _store_inverse(X_out + (i_bh * N + i_n) * 64 * 64, A10, A20, A21, A30, A31, A32)
-
-
-@triton.jit
-def _store_inverse(matrix, A10, A20, A21, A30, A31, A32):
-    """``X = (I + A)^{-1}`` of one chunk into ``matrix`` (its [64, 64] block of X's buffer, where
-    ``_diagonal_kernel`` wrote A's diagonal tiles; each is read here before X's is written), from
-    A's off-diagonal tiles: the diagonal tiles by forward substitution, the others by the blocked
-    formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` (exact float32); X's upper tiles zero."""
-    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-        _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
-    X10 = -_ieee(X11, _ieee(A10, X00))
-    X21 = -_ieee(X22, _ieee(A21, X11))
-    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
-    X32 = -_ieee(X33, _ieee(A32, X22))
-    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
-    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
-    zero = tl.zeros((16, 16), dtype=tl.float32)
+    matrix = X_out + (i_bh * N + i_n) * 64 * 64
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 0, 1, zero)
     _store_tile(matrix, 0, 2, zero)
@@ -542,103 +520,6 @@ def _store_inverse(matrix, A10, A20, A21, A30, A31, A32):
     _store_tile(matrix, 3, 1, X31)
     _store_tile(matrix, 3, 2, X32)
     _store_tile(matrix, 3, 3, X33)
-
-
-@triton.jit
-def _intra_sub_block_kernel(
-    q, k, g, b,  # inputs [B, T, H, K]
-    P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes row block I of P but its diagonal tile, and
-    # A's tiles left of the diagonal into X's buffer (A_out), for the WY launch to invert
-    qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]
-    gamma_out,  # [B, H, N, K] float32
-    key_first_bad_out,  # [B, H, N, 4] int32: per sub-block, the chunk's first row with a bad k, b or g in it (64: none)
-    chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-):
-    """Sub-block I of one chunk (grid as ``_diagonal_kernel``'s): the tiles of ``A`` and ``P`` left
-    of the diagonal in row block I, ``A_IJ = (b k e^{L_I}) (k_J e^{R_J} prod_{J<M<I} t_M)^T`` and
-    ``P_IJ`` with ``q`` on the left (the factors of ``_intra_forward_kernel``, taken in its order);
-    this sub-block's rows of ``qd = q e^{L_I} prod_{M<I} t_M``, ``bkd = b k e^{L_I} prod_{M<I} t_M``
-    and ``kd = k e^{R_I} prod_{M>I} t_M`` (``t_M`` the exponential of sub-block M's own sum; every
-    factor <= 1); ``gamma`` (from sub-block 3's program); and the first bad row among its rows.
-
-    The right factors of all four sub-blocks form one [64, BK] tile (rows from row block I on are
-    zero), so that the products are ``right @ left^T``: [64, 16] results, A's and P's row block I
-    transposed; with 64 rows every warp has rows of its own (16-row products would repeat the
-    operands in every warp). Runtime I enters only through masks and selects (a factor 1.0, exact,
-    where a decay does not apply)."""
-    i_s = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_n = i_s // 4
-    I = i_s % 4
-    i_b = i_bh // H
-    i_h = i_bh % H
-    r = tl.arange(0, 16)
-    rows = tl.arange(0, 64)
-    t0, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    length = end - t0  # the chunk's rows; rows and offsets below count from its first (32-bit offsets)
-    HK = H * K
-    chunk_first = i_b * T * HK + i_h * K + t0 * HK
-    q += chunk_first
-    k += chunk_first
-    g += chunk_first
-    b += chunk_first
-    chunk = i_bh * N + i_n
-    qd_out += (chunk * 64 + I * 16) * K  # at this sub-block's first row
-    kd_out += (chunk * 64 + I * 16) * K
-    bkd_out += (chunk * 64 + I * 16) * K
-    before_I = rows < I * 16  # the rows of the sub-blocks before I
-
-    A_T = tl.zeros((64, 16), dtype=tl.float32)  # A[16 I + c, j] at [j, c]
-    P_T = tl.zeros((64, 16), dtype=tl.float32)
-    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)  # rows of this sub-block, counted from its first
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        x, k_I, bk, L, R, s_I, key_bad_rows = _sub_block(
-            q, k, b, g, 0, I * 16, 0, length, HK, cols, col_ok, key_bad_rows)
-        # The right factors k e^R of the sub-blocks before I as one [64, BK] tile (R summed inside
-        # each sub-block: a scan along the middle axis of [4, 16, BK]), times the decays between.
-        offsets = rows[:, None] * HK + cols[None, :]
-        next_ok = ((rows % 16 < 15) & (rows + 1 < length) & before_I)[:, None] & col_ok[None, :]
-        R_chunk = tl.cumsum(tl.reshape(_load_decay(g + offsets + HK, next_ok), (4, 16, BK)), 1, reverse=True)
-        right = _load_finite(k + offsets, ((rows < length) & before_I)[:, None] & col_ok[None, :])
-        right = right * tl.exp(tl.reshape(R_chunk, (64, BK)))
-        kd = k_I * tl.exp(R)
-        before = tl.full((BK,), 1.0, dtype=tl.float32)  # the decay of the sub-blocks before I
-        for M in tl.static_range(4):
-            decay = _sub_block_decay(g, M * 16, length, HK, cols, col_ok)  # t_M
-            if M == 1 or M == 2:  # the decays between sub-block J and I, in order
-                right *= tl.where((rows < M * 16)[:, None] & (M < I), decay[None, :], 1.0)
-            before *= tl.where(M < I, decay, 1.0)
-            kd *= tl.where(M > I, decay, 1.0)[None, :]
-        tl.store(gamma_out + chunk * K + cols, before * decay, mask=col_ok & (0 * cols + I == 3))  # a vector: the interpreter needs one
-
-        left = tl.exp(L)
-        A_T += tl.dot(right, tl.trans(bk * left), input_precision=DOT)
-        P_T += tl.dot(right, tl.trans(x * left), input_precision=DOT)
-        left = left * before[None, :]  # exp(G) on sub-block I
-        _store_rows(qd_out, 0, K, cols, col_ok, x * left)
-        _store_rows(bkd_out, 0, K, cols, col_ok, bk * left)
-        _store_rows(kd_out, 0, K, cols, col_ok, kd)
-
-    first_bad = tl.min(key_bad_rows, 0)
-    tl.store(key_first_bad_out + chunk * 4 + I, tl.where(first_bad < 64, I * 16 + first_bad, 64))
-    # Row block I: A's and P's tiles left of the diagonal, P's zeros right of it (the diagonal
-    # tiles are _diagonal_kernel's).
-    tile = (chunk * 64 + I * 16 + r[None, :]) * 64 + rows[:, None]
-    tl.store(A_out + tile, A_T, mask=before_I[:, None] & (r >= 0)[None, :])
-    tl.store(P_out + tile, tl.where(before_I[:, None], P_T, 0.0),
-             mask=(before_I | (rows >= I * 16 + 16))[:, None] & (r >= 0)[None, :])
-
-
-@triton.jit
-def _sub_block_decay(g, first, T, HK, cols, col_ok):
-    """The decay of the whole sub-block of rows ``first ...`` (``g`` at the row 0 they count from,
-    rows from T on padding): ``exp`` of its own sum of log decays ([BK])."""
-    t = first + tl.arange(0, 16)
-    ok = (t < T)[:, None] & col_ok[None, :]
-    return tl.exp(tl.sum(_load_decay(g + t[:, None] * HK + cols[None, :], ok), 0))
 
 
 @triton.jit
@@ -666,20 +547,18 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 @triton.jit
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
-    X,  # [B, H, N, 64, 64] float32: X from _intra_forward_kernel, or A's lower tiles from _intra_sub_block_kernel
-    bkd,  # [B, H, N * 64, K] float32: b k exp(G), from the intra launch (may be Wk_out itself)
-    key_first_bad,  # [B, H, N] int32 from _intra_forward_kernel, or [B, H, N, 4] from _intra_sub_block_kernel
+    X,  # [B, H, N, 64, 64] float32, from _intra_forward_kernel
+    bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
+    key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, FROM_SUB_BLOCKS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
-    [64, block] products, and first_bad: the key side's first bad row (screened by the intra
-    launch) or a non-finite v or w (its own column), whichever comes first. After
-    ``_intra_sub_block_kernel`` (``FROM_SUB_BLOCKS``), first ``X = (I + A)^{-1}`` (the same
-    ``_store_inverse`` as ``_intra_forward_kernel``'s) and the least of the sub-blocks' first bad rows.
+    [64, block] products, and first_bad: the key side's first bad row (screened by
+    ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
     of its Wk is stored (one program per chunk, distinct columns per step)."""
     i_n = tl.program_id(0)
@@ -690,15 +569,8 @@ def _wy_kernel(
     first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     t = first + rows
     row_ok = t < end
-    chunk_rows = (i_bh * N + i_n) * 64
-    if FROM_SUB_BLOCKS:
-        # X's buffer holds A's lower tiles: invert in place, then read X back whole (the barrier
-        # orders this program's stores of X before its loads of it).
-        matrix = X + (i_bh * N + i_n) * 64 * 64
-        _store_inverse(matrix, _load_tile(matrix, 1, 0), _load_tile(matrix, 2, 0), _load_tile(matrix, 2, 1),
-                       _load_tile(matrix, 3, 0), _load_tile(matrix, 3, 1), _load_tile(matrix, 3, 2))
-        tl.debug_barrier()
     X_tile = tl.load(X + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+    chunk_rows = (i_bh * N + i_n) * 64
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
@@ -709,10 +581,7 @@ def _wy_kernel(
         bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0).to(tl.float32)
         Wk = tl.dot(X_tile, bkd_tile, input_precision=DOT)
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
-    if FROM_SUB_BLOCKS:
-        first_key_bad = tl.min(tl.load(key_first_bad + (i_bh * N + i_n) * 4 + tl.arange(0, 4)), 0)
-    else:
-        first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
+    first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
     _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
                     first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
@@ -732,8 +601,7 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
 
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X with the decays, then
-    the WY products (``INTRA_FORM``: which launch makes the other tiles; both save the same
-    buffers). Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
+    the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
     ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
     the first row with a non-finite input; 64 when there is none). With packed sequences,
@@ -747,27 +615,16 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
-    if INTRA_FORM not in ("chunk", "sub_block"):
-        raise ValueError(f"INTRA_FORM must be 'chunk' or 'sub_block', not {INTRA_FORM!r}")
-    sub_blocks = INTRA_FORM == "sub_block"
-    key_first_bad = torch.empty((B, H, N, 4) if sub_blocks else (B, H, N), dtype=torch.int32, device=Wk.device)
-    if sub_blocks:
-        _intra_sub_block_kernel[(N * 4, B * H)](
-            q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
-            BK=min(INTRA_SUB_BLOCK_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-            PACKED=packed, num_warps=INTRA_SUB_BLOCK_WARPS, num_stages=INTRA_SUB_BLOCK_STAGES,
-        )
-    else:
-        _intra_forward_kernel[(N, B * H)](
-            q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
-            BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-            PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        )
+    key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
+    _intra_forward_kernel[(N, B * H)](
+        q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
+        BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+    )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-        DOT=dot_precision, PACKED=packed, FROM_SUB_BLOCKS=sub_blocks, num_warps=WY_INVERSE_WARPS if sub_blocks else WY_WARPS,
-        num_stages=1,
+        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
     )
 
 
