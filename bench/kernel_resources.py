@@ -110,7 +110,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
              gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, INVERSE=fk.INVERSE_DOT),
         fk.INTRA_FORWARD_WARPS,
     )
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,

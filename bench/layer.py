@@ -50,12 +50,10 @@ FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
 OPERATOR_INPUTS = ("float32", "projections")
 # Launch-setting variants of the fused glue ("module.CONSTANT" of gdn2.torch.triton's conv, gates
 # and norm), each timed on the layer rows' inputs and compared with the default settings
-# (``--variants``): here the gates', the norms' and the convolution's pre-activation launches at
-# fewer warps.
+# (``--variants``): here the convolution's pre-activation launch at fewer warps.
 GLUE_VARIANTS: list[dict] = [
-    {"gates.WARPS": 1},  # one warp: a tile's rows in 16-byte loads, as the convolution's input gradient
-    {"norm.WARPS": 1},
-    {"conv.BACKWARD_WARPS": 2},
+    {"conv.BACKWARD_WARPS": 1},  # the pre-activation launch at one warp, as the other glue launches
+    {"conv.BACKWARD_WARPS": 4},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
              lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)

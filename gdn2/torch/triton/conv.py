@@ -42,7 +42,7 @@ BACKWARD_WARPS = 8
 TILE_ELEMENTS = 1024
 BACKWARD_TILE_ELEMENTS = 1024  # the pre-activation gradient launch's tiles
 INPUT_GRAD_TILE_ELEMENTS = 1024  # the input gradient launch's tiles (its weight sums: one part per tile)
-INPUT_GRAD_WARPS = 1  # one warp: a tile's rows in 16-byte loads (layer fwd+bwd on the H200: 15.35 -> 12.72 ms)
+INPUT_GRAD_WARPS = 1  # measured: layer fwd+bwd on the H200 15.35 -> 12.72 ms against 4 warps (bench/RESULTS.md)
 MAX_STEP_BLOCK = 32
 CHANNEL_BLOCK = 64  # channels per program without normalisation
 

@@ -56,6 +56,9 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
+# Precision of the inverse's blocked 16x16 products: "ieee" (exact float32, by FMAs) or "tf32x3"
+# (three tensor-core products, about float32's accuracy).
+INVERSE_DOT = "ieee"
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -138,11 +141,6 @@ def _substitute_row(X, A, at_i):
     """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it: ``X[i] -= sum_j A[i, j] X[j]``."""
     a_row = tl.sum(tl.where(at_i, A, 0.0), 0)  # A[i, :] indexed by column j
     return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
-
-
-@triton.jit
-def _ieee(a, b):
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -375,9 +373,10 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INVERSE: tl.constexpr,
 ):
-    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
+    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}`` (its
+    blocked products in ``INVERSE`` precision, ``INVERSE_DOT``).
 
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
     exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)`` (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) =
@@ -478,16 +477,19 @@ def _intra_forward_kernel(
 
     # X = (I + A)^{-1}: diagonal tiles by forward substitution (A's diagonal tiles are where
     # _diagonal_kernel wrote them, in X's own buffer; each is read here before X's is written),
-    # the others by the blocked formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (exact float32).
+    # the others by the blocked formula X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ (INVERSE_DOT).
     matrix = X_out + (i_bh * N + i_n) * 64 * 64
     X00, X11, X22, X33 = _inverse_unit_lower_16_four(
         _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
-    X10 = -_ieee(X11, _ieee(A10, X00))
-    X21 = -_ieee(X22, _ieee(A21, X11))
-    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
-    X32 = -_ieee(X33, _ieee(A32, X22))
-    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
-    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INVERSE), input_precision=INVERSE)
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INVERSE), input_precision=INVERSE)
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INVERSE) + tl.dot(A21, X10, input_precision=INVERSE),
+                  input_precision=INVERSE)
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INVERSE), input_precision=INVERSE)
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INVERSE) + tl.dot(A32, X21, input_precision=INVERSE),
+                  input_precision=INVERSE)
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INVERSE) + tl.dot(A31, X10, input_precision=INVERSE)
+                  + tl.dot(A32, X20, input_precision=INVERSE), input_precision=INVERSE)
 
     matrix = P_out + (i_bh * N + i_n) * 64 * 64
     zero = tl.zeros((16, 16), dtype=tl.float32)
@@ -619,7 +621,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, INVERSE=INVERSE_DOT, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
