@@ -18,6 +18,9 @@
   go one row (keys' side) and one column (rows' side) per step, in one loop, each step's rows
   loaded one step ahead: a step's arithmetic is short, and without the prefetch each step waits
   for its own loads (H200: 13.20 ms forward+backward with two loops and no prefetch, 12.36 so).
+  ``INTRA_BACKWARD_KEYS_PAIRS`` selects instead every pair at once ("cube": [16, 16, key block]
+  tensors, the decays a running product along the rows, shared by both sides), or in two or
+  four pieces of rows ("halves", "quarters": a smaller live tensor, fewer registers).
 """
 
 from __future__ import annotations
