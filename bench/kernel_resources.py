@@ -8,15 +8,24 @@ the benchmark shapes gets: pointers 16-byte aligned, T, H, N multiples of 16), a
     python bench/kernel_resources.py --K 128 --V 128 --dtype bfloat16
 
 Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
+
+``--instructions`` also disassembles each cubin (the ``nvdisasm`` Triton ships next to ``ptxas``)
+and prints its static SASS instruction count by class, and per loop, with an estimate of the
+dynamic warp-instructions per program (see ``--help``). ``--variant NAME=VALUE`` sets a launch
+constant of the kernel modules first (as ``bench/triton_h200.py`` VARIANTS do).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import math
 import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
+from typing import NamedTuple
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -37,8 +46,16 @@ def _ptxas() -> str:
     raise FileNotFoundError(f"no ptxas in {folder}")
 
 
-def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
-    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report)."""
+class Compiled(NamedTuple):
+    shared: int  # bytes of shared memory
+    report: str  # ptxas -v
+    sass: str  # nvdisasm of the cubin ("" unless asked for)
+
+
+def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
+          disassemble: bool = False, options: dict | None = None) -> Compiled:
+    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas; with
+    ``disassemble``, the cubin's SASS too. ``options``: more compile options (``maxnreg``)."""
     names = kernel.arg_names
     signature = {}
     for name in names:
@@ -54,14 +71,155 @@ def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], co
     divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1, **(options or {})))
+    sass = ""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
+        cubin = os.path.join(folder, "kernel.o")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(folder, "kernel.o")],
+        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin],
                                 capture_output=True, text=True, check=True).stderr
-    return compiled.metadata.shared, report
+        if disassemble:
+            nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
+            sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    return Compiled(compiled.metadata.shared, report, sass)
+
+
+def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
+    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report)."""
+    compiled = build(kernel, pointers, scalars, constants, num_warps)
+    return compiled.shared, compiled.report
+
+
+# Instruction classes (SASS opcode without its modifiers, e.g. ``FFMA`` of ``FFMA.FTZ``), in print order.
+CLASSES = {
+    "MMA": ("HMMA", "HGMMA", "IMMA", "DMMA", "BMMA"),  # tensor cores
+    "FP32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSWZADD"),  # float32 arithmetic
+    "FSEL": ("FSEL", "FSETP", "FSET", "FCHK"),  # float compares and selects (masks, tl.where)
+    "MUFU": ("MUFU",),  # exp2, reciprocal, ...
+    "CVT": ("F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP", "FRND"),  # conversions
+    "LDG": ("LDG", "LD", "LDGSTS", "LDGDEPBAR"),  # global loads
+    "STG": ("STG", "ST", "RED", "ATOM", "ATOMG"),  # global stores
+    "LDS": ("LDS", "LDSM"),  # shared-memory loads
+    "STS": ("STS", "STSM"),  # shared-memory stores
+    "SHFL": ("SHFL",),
+    "BAR": ("BAR", "MEMBAR", "WARPSYNC", "DEPBAR"),
+    "INT": ("IMAD", "IADD3", "IADD", "LEA", "LOP3", "SHF", "ISETP", "IMNMX", "IABS", "SGXT", "BMSK", "POPC", "FLO",
+            "BREV", "IMUL", "ISCADD", "LOP", "SHL", "SHR", "VIADD", "VIMNMX"),  # integer: addresses, indices, masks
+    "MOVE": ("MOV", "SEL", "PRMT", "S2R", "S2UR", "CS2R", "UMOV", "R2UR", "P2R", "R2P", "PLOP3", "ULDC", "UIADD3",
+             "UIMAD", "ULEA", "ULOP3", "USHF", "USEL", "UISETP", "UPLOP3", "USGXT", "UPRMT", "VOTE", "VOTEU"),
+    "CONTROL": ("BRA", "EXIT", "BSSY", "BSYNC", "NOP", "CALL", "RET", "BRX", "JMP", "YIELD", "WARPGROUP"),
+}
+_CLASS_OF = {op: name for name, ops in CLASSES.items() for op in ops}
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+
+
+def instruction_class(opcode: str) -> str:
+    if opcode.startswith("U") and opcode not in _CLASS_OF:  # uniform-datapath twins (UIMAD, ULDC, ...)
+        return "MOVE"
+    return _CLASS_OF.get(opcode, "OTHER")
+
+
+class Sass(NamedTuple):
+    opcodes: list[str]  # one per instruction, in address order, modifiers dropped
+    loops: list[tuple[int, int]]  # (first, last) instruction index of each loop, in order of their ends
+
+
+def parse_sass(sass: str) -> Sass:
+    """Instructions and loops of one kernel's nvdisasm output. A loop is a backward branch: from
+    its target (a label) to the branch itself."""
+    opcodes, labels, branches = [], {}, []
+    pending = []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        text = m.group(2).strip()
+        if text.startswith("@"):  # predicate guard
+            text = text.split(None, 1)[1]
+        opcode = text.split()[0].split(".")[0]
+        for name in pending:
+            labels[name] = len(opcodes)
+        pending = []
+        target = re.search(r"\(?(\.L_x_\d+)\)?", text) if opcode in ("BRA", "JMP") else None
+        if target:
+            branches.append((len(opcodes), target.group(1)))
+        opcodes.append(opcode)
+    # (A branch to itself after the last EXIT is the kernel's end, not a loop.)
+    loops = sorted({(labels[t], at) for at, t in branches if t in labels and labels[t] < at}, key=lambda x: x[1])
+    return Sass(opcodes, loops)
+
+
+def count_classes(opcodes) -> Counter:
+    return Counter(instruction_class(op) for op in opcodes)
+
+
+def dynamic_estimate(parsed: Sass, trips: list[float]) -> float:
+    """Warp-instructions issued per warp: each instruction once per trip of every loop around it
+    (``trips[i]`` for ``parsed.loops[i]``; a loop without one counts once)."""
+    total = 0.0
+    for index in range(len(parsed.opcodes)):
+        weight = 1.0
+        for number, (first, last) in enumerate(parsed.loops):
+            if first <= index <= last:
+                weight *= trips[number] if number < len(trips) else 1.0
+        total += weight
+    return total
+
+
+def dynamic_classes(parsed: Sass, trips: list[float]) -> Counter:
+    """As ``dynamic_estimate``, by class."""
+    out = Counter()
+    for index, opcode in enumerate(parsed.opcodes):
+        weight = 1.0
+        for number, (first, last) in enumerate(parsed.loops):
+            if first <= index <= last:
+                weight *= trips[number] if number < len(trips) else 1.0
+        out[instruction_class(opcode)] += weight
+    return out
+
+
+def _format_classes(counts) -> str:
+    names = [n for n in list(CLASSES) + ["OTHER"] if counts.get(n)]
+    return " ".join(f"{n} {counts[n]:.0f}" if isinstance(counts[n], float) else f"{n} {counts[n]}" for n in names)
+
+
+def instruction_report(sass: str, trips: list[float], num_warps: int, programs: int | None = None) -> str:
+    """Lines: the static counts by class, each loop's, and the dynamic estimate per program (and
+    per launch of ``programs`` programs)."""
+    parsed = parse_sass(sass)
+    lines = [f"  SASS {len(parsed.opcodes)} instructions: {_format_classes(count_classes(parsed.opcodes))}"]
+    for number, (first, last) in enumerate(parsed.loops):
+        trip = trips[number] if number < len(trips) else None
+        lines.append(f"  loop {number} (instructions {first}-{last}, {last - first + 1} long, "
+                     f"{'trips ' + format(trip, 'g') if trip is not None else 'trips unknown: counted once'}): "
+                     f"{_format_classes(count_classes(parsed.opcodes[first:last + 1]))}")
+    if len(trips) > len(parsed.loops):
+        lines.append(f"  ({len(trips)} trip counts given, {len(parsed.loops)} loops found: the extra counts are unused)")
+    per_warp = dynamic_estimate(parsed, trips)
+    lines.append(f"  dynamic per program: {per_warp:,.0f} per warp x {num_warps} warps = {per_warp * num_warps:,.0f} "
+                 f"warp-instructions; {_format_classes(dynamic_classes(parsed, trips))} (per warp)")
+    if programs:
+        lines.append(f"  dynamic per launch: {programs:,} programs x {per_warp * num_warps:,.0f} = "
+                     f"{programs * per_warp * num_warps / 1e9:.3f} G warp-instructions")
+    return "\n".join(lines)
+
+
+def occupancy(registers: int, num_warps: int, shared: int) -> float:
+    """Fraction of the 64 warps per SM an sm_90 SM can hold: registers (65,536 per SM, allocated
+    per warp in units of 256), shared memory (228 KiB per SM, 1 KiB reserved per block) and the
+    32 blocks per SM."""
+    per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    by_registers = 65536 // (per_warp * num_warps)
+    by_shared = (228 * 1024) // (shared + 1024)
+    blocks = min(by_registers, by_shared, 32, 64 // num_warps)
+    return blocks * num_warps / 64
 
 
 def summary(report: str) -> str:
@@ -73,32 +231,91 @@ def summary(report: str) -> str:
     return text
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
     parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
+    parser.add_argument("--B", type=int, default=8, help="batch rows, for --instructions' programs per launch")
+    parser.add_argument("--T", type=int, default=4096, help="tokens, for --instructions' loop trips and programs")
+    parser.add_argument("--H", type=int, default=16, help="heads, for --instructions' programs per launch")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="compile only these kernels (names as printed)")
-    args = parser.parse_args()
+    parser.add_argument("--variant", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="set launch constants of the kernel modules first (VALUE a Python literal), e.g. "
+                             "INTRA_BACKWARD_KEYS_BLOCK=64")
+    parser.add_argument(
+        "--instructions", action="store_true",
+        help="disassemble each cubin (Triton's nvdisasm) and print: the static SASS instruction count by class "
+             "(MMA tensor cores, FP32 = FFMA/FMUL/FADD/FMNMX, FSEL = float compares/selects, MUFU, CVT = "
+             "F2F/F2FP/I2F..., LDG, STG, LDS, STS, SHFL, BAR, INT = integer address/index/mask arithmetic, MOVE, "
+             "CONTROL, OTHER); the same per loop (a loop = a backward branch, from its target to itself); and an "
+             "estimate of the dynamic warp-instructions per program: every instruction issued once per warp, times "
+             "the trip counts of the loops around it. It assumes: each loop runs the trip count the kernel table "
+             "gives for it at the given shape (a mean over programs where it varies, e.g. 1.5 for the key launch's "
+             "loops over earlier and later sub-blocks), in order of the loops' ends in the SASS; a loop without one "
+             "counts once (printed as 'trips unknown'); both sides of every forward branch run (if/else and "
+             "predicated-off instructions are counted as issued). Static counts do not include stalls: compare "
+             "variants of one kernel, not kernels.")
+    args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
-    inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
-    for name, (kernel, pointers, scalars, constants, warps) in kernels(args.K, args.V, inp, args.dot, args.packed).items():
-        if args.only and name not in args.only:
-            continue
-        try:
-            shared, report = compile_kernel(kernel, pointers, scalars, constants, warps)
-            print(f"{name:16s} {warps} warps, shared {shared / 1024:.1f} KiB, {summary(report)}", flush=True)
-        except Exception as error:  # report every kernel, keep going
-            print(f"{name:16s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
+    previous = set_launch({name: ast.literal_eval(value) for name, value in (v.split("=", 1) for v in args.variant)})
+    try:
+        inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
+        table = kernels(args.K, args.V, inp, args.dot, args.packed, args.B, args.T, args.H)
+        for name, (kernel, pointers, scalars, constants, warps) in table.items():
+            if args.only and name not in args.only:
+                continue
+            try:
+                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions,
+                                 options=OPTIONS.get(name))
+                line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
+                registers = re.search(r"Used (\d+) registers", compiled.report)
+                if registers:
+                    line += f", occupancy {occupancy(int(registers.group(1)), warps, compiled.shared):.1%}"
+                print(line, flush=True)
+                if args.instructions:
+                    print(instruction_report(compiled.sass, LOOP_TRIPS.get(name, []), warps, PROGRAMS.get(name)),
+                          flush=True)
+            except Exception as error:  # report every kernel, keep going
+                print(f"{name:16s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
+    finally:
+        set_launch(previous)
 
 
-def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
+def set_launch(settings: dict) -> dict:
+    """Set launch constants of the kernel modules by name; returns the previous values."""
+    done = {}
+    for name, value in settings.items():
+        module = next((m for m in (forward, backward, operator) if hasattr(m, name)), None)
+        if module is None:
+            raise SystemExit(f"--variant: no launch constant {name}")
+        done[name] = getattr(module, name)
+        setattr(module, name, value)
+    return done
+
+
+# Trip counts of each kernel's loops (in the order of their ends in the SASS) and programs per
+# launch at the shapes of ``kernels``, filled in by ``kernels``; means over programs where a
+# count varies.
+LOOP_TRIPS: dict[str, list[float]] = {}
+PROGRAMS: dict[str, int] = {}
+OPTIONS: dict[str, dict] = {}  # more compile options a launcher passes (maxnreg)
+
+
+def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8, T: int = 4096, H: int = 16) -> dict:
     """Each kernel with the pointer dtypes and constants its launcher uses for (K, V), for packed
-    sequences (``packed``) or a batch."""
+    sequences (``packed``) or a batch; sets ``LOOP_TRIPS`` and ``PROGRAMS`` for B sequences of T
+    tokens and H heads."""
     f32 = "fp32"
+    chunks = -(-T // 64)
+    LOOP_TRIPS.clear()
+    PROGRAMS.clear()
+    OPTIONS.clear()
+    heads = B * H
+    key_blocks_of = lambda block: -(-K // block)  # noqa: E731
     def saved(name):  # the dtype of a saved buffer, as the operator allocates it
         return "bf16" if inp == "bf16" and name in operator.SAVED_IN_BFLOAT16 else f32
 
@@ -113,6 +330,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, INVERSE=fk.INVERSE_DOT),
         fk.INTRA_FORWARD_WARPS,
     )
+    LOOP_TRIPS["intra_forward"] = [-(-K // min(fk.INTRA_FORWARD_KEY_BLOCK, bk)), 15]  # key blocks; the inverse's rows
+    PROGRAMS["intra_forward"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed)
     out["wy"] = (
@@ -121,11 +340,15 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
              chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
+    LOOP_TRIPS["wy"] = [-(-K // wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
+    PROGRAMS["wy"] = chunks * heads
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.DIAGONAL_WARPS,
     )
+    LOOP_TRIPS["diagonal"] = [-(-K // min(fk.DIAGONAL_KEY_BLOCK, bk))]
+    PROGRAMS["diagonal"] = 4 * chunks * heads
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=f32, kd=saved("kd"), Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=saved_states, U_out=f32,
@@ -134,12 +357,16 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
                  PACKED=packed, STAGES=fk.STATE_STAGES),
         fk.STATE_WARPS,
     )
+    LOOP_TRIPS["state_forward"] = [chunks]
+    PROGRAMS["state_forward"] = -(-V // fk.value_block(V, heads)) * heads
     out["output"] = (
         fk._output_kernel,
         dict(qd=saved("qd"), P=f32, states=saved_states, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
         dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
+    LOOP_TRIPS["output"] = [-(-K // min(64, bk))]
+    PROGRAMS["output"] = -(-V // min(64, max(16, triton.next_power_of_2(V)))) * chunks * heads
     bw = backward
     out["state_backward"] = (
         bw._state_backward_kernel,
@@ -149,6 +376,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
     )
+    LOOP_TRIPS["state_backward"] = [chunks]
+    PROGRAMS["state_backward"] = -(-V // fk.value_block(V, heads)) * heads
     blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),
                   BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))), C=64, DOT=dot,
                   PACKED=packed)
@@ -164,13 +393,24 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
              d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
+    LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]
+    LOOP_TRIPS["intra_backward_values"] = [-(-V // blocks["BV"]), -(-K // blocks["BKB"])]
+    PROGRAMS["intra_backward_contract"] = chunks * heads * key_blocks_of(blocks["BKB"])
+    PROGRAMS["intra_backward_values"] = chunks * heads
     out["intra_backward_keys"] = (
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, PAIRS=bw.INTRA_BACKWARD_KEYS_PAIRS),
         bw.INTRA_BACKWARD_KEYS_WARPS,
     )
+    keys_block = min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk)
+    PROGRAMS["intra_backward_keys"] = 4 * chunks * heads * key_blocks_of(keys_block)
+    # The loops over earlier and later sub-blocks run 0 to 3 times (1.5 on average), the pairs
+    # inside a sub-block 16 steps.
+    LOOP_TRIPS["intra_backward_keys"] = [1.5, 1.5] + ([16] if bw.INTRA_BACKWARD_KEYS_PAIRS == "steps" else [])
+    PROGRAMS["gate_gradient"] = chunks * heads * key_blocks_of(keys_block)
+    OPTIONS["intra_backward_keys"] = bw.intra_backward_keys_options()
     out["gate_gradient"] = (
         bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp, chunk_table="i32"),
         {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), PACKED=packed), 4,

@@ -108,11 +108,14 @@ def test_kernel_erase_gate_up_to_two_and_float16(seed, interpreter):
     assert error <= 2e-2, (seed, name, errors)
 
 
-# The keys launch at its default key block and at 64 columns (module constants of
-# gdn2.torch.triton.backward).
+# The keys launch at its default key block and at 64 columns, and its forms of the pairs inside a
+# sub-block (module constants of gdn2.torch.triton.backward).
 KEYS_FORMS = [
     dict(),
     dict(INTRA_BACKWARD_KEYS_BLOCK=64),
+    dict(INTRA_BACKWARD_KEYS_PAIRS="cube"),
+    dict(INTRA_BACKWARD_KEYS_PAIRS="halves"),
+    dict(INTRA_BACKWARD_KEYS_PAIRS="quarters", INTRA_BACKWARD_KEYS_BLOCK=64),
 ]
 
 

@@ -1,0 +1,134 @@
+"""``bench/kernel_resources.py --instructions``: SASS instruction counts of kernels compiled for
+sm_90a without a GPU. The compiling runs in a subprocess without ``TRITON_INTERPRET`` (conftest.py
+sets it for this process, and ``triton.jit`` then makes interpreted functions that cannot be
+compiled)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "bench" / "kernel_resources.py"
+
+
+def _compiled_mode_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _tool_module():
+    spec = importlib.util.spec_from_file_location("kernel_resources_under_test", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A made-up disassembly: a backward branch closes a loop of three instructions; the branch to
+# itself after EXIT is the kernel's end, not a loop.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+        /*0020*/                   FFMA R2, R0, R0, R2 ;
+        /*0030*/               @P0 LDG.E R3, desc[UR4][R4.64] ;
+        /*0040*/               @P1 BRA `(.L_x_0) ;
+        /*0050*/                   MUFU.EX2 R2, R2 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0070*/                   STG.E [R4.64], R2 ;
+        /*0080*/                   EXIT ;
+.L_x_1:
+        /*0090*/                   BRA `(.L_x_1);
+"""
+
+
+def test_parse_sass_classes_loops_and_dynamic_estimate():
+    tool = _tool_module()
+    parsed = tool.parse_sass(SASS)
+    assert parsed.opcodes == ["MOV", "S2R", "FFMA", "LDG", "BRA", "MUFU", "HMMA", "STG", "EXIT", "BRA"]
+    assert parsed.loops == [(2, 4)]
+    counts = tool.count_classes(parsed.opcodes)
+    assert (counts["MMA"], counts["FP32"], counts["MUFU"], counts["LDG"], counts["STG"]) == (1, 1, 1, 1, 1)
+    assert counts["CONTROL"] == 3 and counts["MOVE"] == 2
+    assert tool.dynamic_estimate(parsed, [10]) == 7 + 3 * 10
+    assert tool.dynamic_estimate(parsed, []) == 10  # a loop without a trip count counts once
+    assert tool.dynamic_classes(parsed, [10])["FP32"] == 10
+
+
+SMALL_KERNEL = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {bench!r})
+    import triton
+    import triton.language as tl
+    import kernel_resources as tool
+
+    @triton.jit
+    def scaled_sum(x, y, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            total += tl.exp(tl.load(x + start + offsets, mask=start + offsets < n, other=0.0))
+        tl.store(y + offsets, total)
+
+    compiled = tool.build(scaled_sum, dict(x="fp32", y="fp32"), {{}}, dict(BLOCK=128), 4, disassemble=True)
+    parsed = tool.parse_sass(compiled.sass)
+    counts = tool.count_classes(parsed.opcodes)
+    print("instructions", len(parsed.opcodes), "loops", len(parsed.loops), "MUFU", counts["MUFU"],
+          "LDG", counts["LDG"], "STG", counts["STG"])
+    print("dynamic", tool.dynamic_estimate(parsed, [8]), tool.dynamic_estimate(parsed, [1]))
+    print(tool.instruction_report(compiled.sass, [8], 4, programs=10))
+""")
+
+
+def test_small_kernel_compiles_and_counts(tmp_path):
+    """One small kernel with a loop, compiled and disassembled: positive counts, one loop, and a
+    dynamic estimate that grows with the loop's trip count."""
+    script = tmp_path / "small_kernel.py"  # triton.jit reads its function's source from a file
+    script.write_text(SMALL_KERNEL.format(bench=str(ROOT / "bench")))
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_compiled_mode_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    m = re.search(r"instructions (\d+) loops (\d+) MUFU (\d+) LDG (\d+) STG (\d+)", run.stdout)
+    assert m, run.stdout
+    instructions, loops, mufu, ldg, stg = map(int, m.groups())
+    assert instructions > 0 and mufu > 0 and ldg > 0 and stg > 0
+    assert loops >= 1
+    dynamic = re.search(r"dynamic ([\d.]+) ([\d.]+)", run.stdout)
+    assert float(dynamic.group(1)) > float(dynamic.group(2)) >= instructions
+    assert "dynamic per launch: 10 programs" in run.stdout
+
+
+def test_instructions_option_runs():
+    """The command line with ``--instructions`` on two kernels of the operator."""
+    run = subprocess.run([sys.executable, str(TOOL), "--K", "64", "--V", "64", "--instructions",
+                          "--only", "intra_backward_keys", "gate_gradient"],
+                         cwd=ROOT, env=_compiled_mode_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "failed" not in out, out
+    for name in ("intra_backward_keys", "gate_gradient"):
+        assert re.search(rf"^{name}\s+\d+ warps, shared .* registers, .*occupancy", out, re.M), out
+    counts = [int(n) for n in re.findall(r"SASS (\d+) instructions", out)]
+    assert len(counts) == 2 and min(counts) > 0, out
+    mma = re.search(r"SASS \d+ instructions: MMA (\d+)", out)  # the key launch multiplies on tensor cores
+    assert mma and int(mma.group(1)) > 0, out
+    assert re.search(r"loop 2 .*trips 16", out), out
+    assert re.search(r"dynamic per launch: [\d,]+ programs", out), out
+
+
+def test_interpreter_refused():
+    env = _compiled_mode_env()
+    env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, str(TOOL), "--only", "gate_gradient"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "TRITON_INTERPRET is set" in run.stderr
