@@ -13,6 +13,7 @@ Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import subprocess
@@ -26,6 +27,8 @@ import gdn2.torch.triton as operator
 from gdn2.torch.triton import backward, forward
 
 TARGET = GPUTarget("cuda", 90, 32)
+# Launches compiled with a cap on registers per thread (their launchers' settings), by kernel.
+MAX_REGISTERS = {forward._intra_forward_kernel: lambda: forward.INTRA_FORWARD_MAX_REGISTERS}
 
 
 def _ptxas() -> str:
@@ -38,7 +41,8 @@ def _ptxas() -> str:
 
 
 def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
-    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report)."""
+    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report).
+    A launch with a register cap (``MAX_REGISTERS``, by kernel) is compiled with it."""
     names = kernel.arg_names
     signature = {}
     for name in names:
@@ -54,7 +58,11 @@ def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], co
     divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    options = dict(num_warps=num_warps, num_stages=1)
+    cap = MAX_REGISTERS[kernel]() if kernel in MAX_REGISTERS else None
+    if cap is not None:
+        options["maxnreg"] = cap
+    compiled = triton.compile(source, target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -81,7 +89,14 @@ def main() -> None:
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
     parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="compile only these kernels (names as printed)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="launch constants of the kernel modules, as a bench variant sets them "
+                             "(e.g. INTRA_FORWARD_SPLIT=True INTRA_FORWARD_MAX_REGISTERS=168)")
     args = parser.parse_args()
+    for setting in args.set:
+        name, value = setting.split("=", 1)
+        module = next(m for m in (forward, backward, operator) if hasattr(m, name))
+        setattr(module, name, ast.literal_eval(value))
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
     inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
@@ -110,7 +125,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False) -> dict:
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
              gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, INVERSE=fk.INVERSE_DOT),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, INVERSE=fk.INVERSE_DOT, SPLIT=fk.INTRA_FORWARD_SPLIT,
+             STORE_EARLY=fk.INTRA_FORWARD_STORE_EARLY, READ_ROWS=fk.INVERSE_READ_ROWS),
         fk.INTRA_FORWARD_WARPS,
     )
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,

@@ -58,6 +58,17 @@ CHECK_SHAPES = [
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
     dict(INVERSE_DOT="tf32x3"),  # the inverse's blocked products on tensor cores, three passes
+    # the intra-forward launch (bench/kernel_resources.py --set ... prints their registers):
+    # A's rows read at each substitution step, P and X stored early (fewer instructions, no spills)
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True),
+    dict(INVERSE_READ_ROWS=True),
+    dict(INTRA_FORWARD_STORE_EARLY=True),
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INVERSE_DOT="tf32x3"),
+    # two programs per chunk (A and the inverse; P and the decays), alone and with a register cap
+    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True),
+    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_MAX_REGISTERS=168),
+    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_WARPS=1),
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_MAX_REGISTERS=168),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
