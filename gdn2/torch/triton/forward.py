@@ -164,6 +164,9 @@ def _inverse_unit_lower_16_four_read(matrix):
         X1 = _substitute_read_row(X1, tl.load(matrix + (16 + i) * 64 + 16 + r), at_i)
         X2 = _substitute_read_row(X2, tl.load(matrix + (32 + i) * 64 + 32 + r), at_i)
         X3 = _substitute_read_row(X3, tl.load(matrix + (48 + i) * 64 + 48 + r), at_i)
+    # Every warp's reads of A's diagonal tiles done before any warp writes X's over them (the rows
+    # may be loaded straight into the layout of their use, with no barrier on the way).
+    tl.debug_barrier()
     return X0, X1, X2, X3
 
 
