@@ -66,6 +66,17 @@ VARIANTS: list[dict] = [
     dict(INTRA_BACKWARD_KEYS_PAIRS="quarters", INTRA_BACKWARD_KEYS_MAX_REGISTERS=128),  # 25%, 44 B spills, 1.77 G
     dict(INTRA_BACKWARD_KEYS_PAIRS="halves"),  # 186 registers, 12.5%, 1.64 G
     dict(INTRA_BACKWARD_KEYS_BLOCK=64),  # the loop with 64 key columns: 204 registers, 12.5%, 2.26 G
+    # the intra-forward launch (bench/kernel_resources.py --set ... prints their registers):
+    # A's rows read at each substitution step, P and X stored early (fewer instructions, no spills)
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True),
+    dict(INVERSE_READ_ROWS=True),
+    dict(INTRA_FORWARD_STORE_EARLY=True),
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INVERSE_DOT="tf32x3"),
+    # two programs per chunk (A and the inverse; P and the decays), alone and with a register cap
+    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True),
+    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_MAX_REGISTERS=168),
+    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_WARPS=1),
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_MAX_REGISTERS=168),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

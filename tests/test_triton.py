@@ -397,3 +397,79 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
             assert np.isfinite(got_tile).all(), (name, I, seed)
             error = np.abs(got_tile - expected_tile).max() / np.abs(expected_tile).max()
             assert error <= 1e-5, (name, I, error, seed)
+
+
+def _intra_forward_buffers(settings, inputs, N, chunk_table, monkeypatch):
+    """The in-chunk launches' outputs (the saved qd, kd, gamma, Wk, Uw, P, X and first_bad) with
+    the forward module's launch constants ``settings``."""
+    from gdn2.torch.triton import forward
+
+    for name, value in settings.items():
+        monkeypatch.setattr(forward, name, value)
+    q, k, v, g, b, w = inputs
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    buffers = [torch.full(shape, 7.0, dtype=dtype)  # not zero: every entry must be written
+               for shape, dtype in zip(kernel._saved_shapes(B, N, H, K, V), kernel._saved_dtypes(q.dtype))]
+    qd, kd, gamma, Wk, Uw, P, X, _, _ = buffers
+    first_bad = torch.full((B, H, N, V), -1, dtype=torch.int32)
+    forward.intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, "ieee", chunk_table)
+    return dict(qd=qd, kd=kd, gamma=gamma, Wk=Wk, Uw=Uw, P=P, X=X, first_bad=first_bad)
+
+
+INTRA_FORWARD_VARIANTS = [
+    dict(INTRA_FORWARD_SPLIT=True),
+    dict(INTRA_FORWARD_STORE_EARLY=True),
+    dict(INTRA_FORWARD_SPLIT=True, INTRA_FORWARD_STORE_EARLY=True),
+    dict(INVERSE_READ_ROWS=True),
+    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_SPLIT=True),
+]
+
+
+@pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
+                         ids=["batch-float32", "packed-bfloat16"])
+@pytest.mark.parametrize("variant", INTRA_FORWARD_VARIANTS,
+                         ids=lambda v: "-".join(f"{k.rsplit('_', 1)[-1].lower()}" for k in v))
+def test_intra_forward_variants_save_the_same_buffers(variant, packed, dtype, seed, interpreter, monkeypatch):
+    """Each variant of the intra-forward launch (``INTRA_FORWARD_VARIANTS``: two programs per
+    chunk, the stores made early, A's rows read in the substitution) against the default on the same random inputs with hard resets
+    (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
+    +inf in v and in w, padded rows, a partial last block of key columns (K = 40): P, X and
+    first_bad exactly (the same products in the same order), qd, kd, gamma, Wk and Uw up to
+    float32 rounding."""
+    from gdn2.spec import parse_cu_seqlens
+
+    rng = np.random.default_rng(seed)
+    B, T, H, K, V = (1, 150, 2, 48, 24) if packed else (2, 130, 2, 40, 24)
+    q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.float32) for shape in
+               ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
+    g = torch.tensor(rng.uniform(-3.0, 0.0, (B, T, H, K)), dtype=torch.float32)
+    b = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, K)), dtype=torch.float32)
+    w = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, V)), dtype=torch.float32)
+    g[0, 37, 0] = -np.inf  # a hard reset mid sub-block, on every channel
+    g[0, 80, 1, :5] = -np.inf  # at a sub-block's first row, on some channels
+    g[0, 100, 0, 3] = np.nan
+    k[B - 1, 20, 1, 7] = np.inf
+    b[B - 1, 90, 0, 2] = np.nan
+    v[0, 70, 1, 5] = np.inf
+    w[B - 1, 5, 0, 0] = -np.inf
+    inputs = [x.to(dtype) for x in (q, k, v, g, b, w)]
+    if packed:
+        chunk_table, _ = kernel._packed_tables(parse_cu_seqlens(np.array([0, 70, 71, 135, T]), 1, T), "cpu")
+        N = chunk_table.shape[0]
+    else:
+        chunk_table, N = None, -(-T // 64)
+    monkeypatch.setattr("gdn2.torch.triton.forward.INTRA_FORWARD_KEY_BLOCK", 16)  # several blocks of key columns
+    default = _intra_forward_buffers({}, inputs, N, chunk_table, monkeypatch)
+    got = _intra_forward_buffers(variant, inputs, N, chunk_table, monkeypatch)
+    assert (default["first_bad"] < 64).any() and (default["first_bad"] == 64).any()
+    for name in ("first_bad", "P", "X"):
+        assert torch.equal(got[name], default[name]), name
+    for name in ("P", "X", "qd", "kd", "gamma", "Wk", "Uw"):
+        want, have = default[name].double(), got[name].double()
+        assert torch.isfinite(want).all() and torch.isfinite(have).all(), name
+        assert (want == 0).any(), name  # upper tiles, padded rows (and for the decays, the hard resets) are exact zeros
+        torch.testing.assert_close(have, want, rtol=2e-5, atol=1e-6 * want.abs().max().item(), msg=name)
+    for name in ("P", "X"):  # the upper tiles: zero
+        upper = torch.ones(64, 64).triu(1).bool() & ~torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
+        assert (got[name][..., upper] == 0).all(), name

@@ -122,6 +122,7 @@ def intra_backward_keys_options() -> dict:
     """Compile options of the key launch beyond warps and stages."""
     return {} if INTRA_BACKWARD_KEYS_MAX_REGISTERS is None else dict(maxnreg=INTRA_BACKWARD_KEYS_MAX_REGISTERS)
 
+
 @triton.jit
 def _intra_backward_contract_kernel(
     states, U, d_o, d_leaving, d_U, inverse,  # saved / from state_backward
