@@ -179,8 +179,7 @@ def _substitute_read_row(X, a_row, at_i):
 @triton.jit
 def _substitute_row(X, A, at_i):
     """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it: ``X[i] -= sum_j A[i, j] X[j]``."""
-    a_row = tl.sum(tl.where(at_i, A, 0.0), 0)  # A[i, :] indexed by column j
-    return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
+    return _substitute_read_row(X, tl.sum(tl.where(at_i, A, 0.0), 0), at_i)  # A[i, :] indexed by column j
 
 
 @triton.jit
@@ -295,9 +294,7 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
 
     Each position p of the groups is its own [4, BK] tile (rows ``4 G + p``), so that inside the
     groups a chain of per-step decays runs on all four groups at once in four steps,
-    ``E_j <- E_j exp(g_p)``
-    (products of per-step decays, one exponential per entry of g), with nothing moved between
-    rows. Across groups (group I > J), as in ``_intra_forward_kernel`` between sub-blocks: the
+    ``E_j <- E_j exp(g_p)`` (one exponential per entry of g), with nothing moved between rows. Across groups (group I > J), as in ``_intra_forward_kernel`` between sub-blocks: the
     products ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T`` over the groups M strictly between, with
     ``e^L`` the inclusive prefix product of the decays inside a group, ``e^R`` the exclusive
     suffix product (the step chain's E at the last step) and ``t_M`` a group's total, every factor
@@ -427,8 +424,9 @@ def _intra_forward_kernel(
     blocked products in ``INVERSE`` precision, ``INVERSE_DOT``).
 
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
-    exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)`` (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) =
-    e^{R_j} prod_{M>J} t_M``: products of span exponentials, each <= 1), each sub-block's rows
+    exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)``
+    (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``:
+    products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
     NaN or +inf g: ``key_first_bad_out``).
 
@@ -454,24 +452,24 @@ def _intra_forward_kernel(
             A10, A20, A21, A30, A31, A32, _, _, _, _, _, _ = _off_diagonal_tiles(
                 q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
                 chunk, K, BK, DOT, True, False)
-            _store_inverse(X_out + (i_bh * N + i_n) * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE, STORE_EARLY, READ_ROWS)
+            _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE, STORE_EARLY, READ_ROWS)
         else:
             _, _, _, _, _, _, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
                 q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
                 chunk, K, BK, DOT, False, True)
-            _store_P(P_out + (i_bh * N + i_n) * 64 * 64, P10, P20, P21, P30, P31, P32)
+            _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     else:
         A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
             q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
             chunk, K, BK, DOT, True, True)
         if STORE_EARLY:
-            _store_P(P_out + (i_bh * N + i_n) * 64 * 64, P10, P20, P21, P30, P31, P32)
-            _store_inverse(X_out + (i_bh * N + i_n) * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE, True, READ_ROWS)
+            _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
+            _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE, True, READ_ROWS)
         else:
-            X_matrix = X_out + (i_bh * N + i_n) * 64 * 64
+            X_matrix = X_out + chunk * 64 * 64
             X00, X11, X22, X33, X10, X20, X21, X30, X31, X32 = _inverse(
-                X_matrix, A10, A20, A21, A30, A31, A32, INVERSE, X_matrix, False, READ_ROWS)
-            _store_P(P_out + (i_bh * N + i_n) * 64 * 64, P10, P20, P21, P30, P31, P32)
+                X_matrix, A10, A20, A21, A30, A31, A32, INVERSE, False, READ_ROWS)
+            _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
             _store_X(X_matrix, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
 
 
@@ -583,13 +581,13 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
 
 @triton.jit
-def _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE: tl.constexpr, X_matrix, STORE: tl.constexpr,
+def _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE: tl.constexpr, STORE: tl.constexpr,
              READ_ROWS: tl.constexpr):
     """``X = (I + A)^{-1}`` of one chunk: the diagonal tiles by forward substitution (A's diagonal
     tiles are where ``_diagonal_kernel`` wrote them, in X's own buffer at ``matrix``; each is read
     here before X's is written), the others by the blocked formula
     ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` (``INVERSE`` precision). With ``STORE``, each tile
-    is stored at ``X_matrix`` as soon as it is final (and X's upper tiles zero); with
+    is stored over A's at ``matrix`` as soon as it is final (and X's upper tiles zero); with
     ``READ_ROWS``, the substitution reads A's rows from memory one step at a time."""
     if READ_ROWS:
         X00, X11, X22, X33 = _inverse_unit_lower_16_four_read(matrix)
@@ -598,37 +596,37 @@ def _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE: tl.constexpr, X_matr
             _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
     if STORE:
         zero = tl.zeros((16, 16), dtype=tl.float32)
-        _store_tile(X_matrix, 0, 0, X00)
-        _store_tile(X_matrix, 0, 1, zero)
-        _store_tile(X_matrix, 0, 2, zero)
-        _store_tile(X_matrix, 0, 3, zero)
-        _store_tile(X_matrix, 1, 1, X11)
-        _store_tile(X_matrix, 1, 2, zero)
-        _store_tile(X_matrix, 1, 3, zero)
-        _store_tile(X_matrix, 2, 2, X22)
-        _store_tile(X_matrix, 2, 3, zero)
-        _store_tile(X_matrix, 3, 3, X33)
+        _store_tile(matrix, 0, 0, X00)
+        _store_tile(matrix, 0, 1, zero)
+        _store_tile(matrix, 0, 2, zero)
+        _store_tile(matrix, 0, 3, zero)
+        _store_tile(matrix, 1, 1, X11)
+        _store_tile(matrix, 1, 2, zero)
+        _store_tile(matrix, 1, 3, zero)
+        _store_tile(matrix, 2, 2, X22)
+        _store_tile(matrix, 2, 3, zero)
+        _store_tile(matrix, 3, 3, X33)
     X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INVERSE), input_precision=INVERSE)
     if STORE:
-        _store_tile(X_matrix, 1, 0, X10)
+        _store_tile(matrix, 1, 0, X10)
     X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INVERSE), input_precision=INVERSE)
     if STORE:
-        _store_tile(X_matrix, 2, 1, X21)
+        _store_tile(matrix, 2, 1, X21)
     X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INVERSE) + tl.dot(A21, X10, input_precision=INVERSE),
                   input_precision=INVERSE)
     if STORE:
-        _store_tile(X_matrix, 2, 0, X20)
+        _store_tile(matrix, 2, 0, X20)
     X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INVERSE), input_precision=INVERSE)
     if STORE:
-        _store_tile(X_matrix, 3, 2, X32)
+        _store_tile(matrix, 3, 2, X32)
     X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INVERSE) + tl.dot(A32, X21, input_precision=INVERSE),
                   input_precision=INVERSE)
     if STORE:
-        _store_tile(X_matrix, 3, 1, X31)
+        _store_tile(matrix, 3, 1, X31)
     X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INVERSE) + tl.dot(A31, X10, input_precision=INVERSE)
                   + tl.dot(A32, X20, input_precision=INVERSE), input_precision=INVERSE)
     if STORE:
-        _store_tile(X_matrix, 3, 0, X30)
+        _store_tile(matrix, 3, 0, X30)
     return X00, X11, X22, X33, X10, X20, X21, X30, X31, X32
 
 
@@ -638,10 +636,10 @@ def _store_inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE: tl.constexpr, 
     """``X = (I + A)^{-1}`` of one chunk into ``matrix`` (``_inverse``), each tile stored as soon as
     it is final (``STORE_EARLY``) or all at the end."""
     if STORE_EARLY:
-        _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE, matrix, True, READ_ROWS)
+        _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE, True, READ_ROWS)
     else:
         X00, X11, X22, X33, X10, X20, X21, X30, X31, X32 = _inverse(
-            matrix, A10, A20, A21, A30, A31, A32, INVERSE, matrix, False, READ_ROWS)
+            matrix, A10, A20, A21, A30, A31, A32, INVERSE, False, READ_ROWS)
         _store_X(matrix, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
 
 
