@@ -61,7 +61,7 @@ VARIANTS: list[dict] = [
     # The key launch's pairs inside a sub-block all at once ([16, 16, 32] tensors) instead of a
     # 16-step loop: about half the instructions (bench/kernel_resources.py --instructions), at
     # more registers (12.5% occupancy where the loop has 25%, or capped by maxnreg).
-    dict(INTRA_BACKWARD_KEYS_PAIRS="cube"),  # 249 registers, 1.58 G warp-instructions (loop: 3.12)
+    dict(INTRA_BACKWARD_KEYS_PAIRS="cube"),  # 241 registers, 1.60 G warp-instructions (loop: 3.12)
     dict(INTRA_BACKWARD_KEYS_PAIRS="halves", INTRA_BACKWARD_KEYS_MAX_REGISTERS=168),  # 18.8%, no spills, 1.70 G
     dict(INTRA_BACKWARD_KEYS_PAIRS="quarters", INTRA_BACKWARD_KEYS_MAX_REGISTERS=128),  # 25%, 44 B spills, 1.77 G
     dict(INTRA_BACKWARD_KEYS_PAIRS="halves"),  # 186 registers, 12.5%, 1.64 G

@@ -473,3 +473,12 @@ def test_intra_forward_variants_save_the_same_buffers(variant, packed, dtype, se
     for name in ("P", "X"):  # the upper tiles: zero
         upper = torch.ones(64, 64).triu(1).bool() & ~torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
         assert (got[name][..., upper] == 0).all(), name
+
+
+def test_keys_launch_refuses_an_unknown_pairs_form(monkeypatch):
+    """An unknown ``INTRA_BACKWARD_KEYS_PAIRS`` is a ValueError naming it, not a silent other form."""
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(backward, "INTRA_BACKWARD_KEYS_PAIRS", "rows")
+    with pytest.raises(ValueError, match="INTRA_BACKWARD_KEYS_PAIRS.*'rows'"):
+        backward.intra_backward_keys(*([None] * 12), "ieee")

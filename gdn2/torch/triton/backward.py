@@ -312,27 +312,6 @@ def _column_step(F, d_bk_A, d_q_P, r, j, g_next, k_j, d_A_column, d_P_column):
 
 
 @triton.jit
-def _pairs_inside_cube(d_k_pair, d_bk_A, d_q_P, g_I, q_I, bk_I, k_I, d_A_scratch, d_P_scratch, r, I):
-    """The pairs inside sub-block I all at once: ``E[i, j, c] = exp(g_{j+1} + ... + g_i)`` for
-    ``i > j`` as a running product of per-step decays along i (factors at and before j selected
-    to 1: E is exactly 1 at ``i <= j``, where dA and dP are selected to 0), shared by the keys'
-    side (a sum over i) and the rows' side (a sum over j)."""
-    step_decay = tl.exp(g_I)  # [16, BKB]
-    later = r[:, None] > r[None, :]  # [s, j]: s after j
-    factor = tl.where(later[:, :, None], step_decay[:, None, :], 1.0)  # [s, j, c]
-    E = tl.cumprod(factor, 0)  # [i, j, c]
-    tile = (I * 16 + r)[:, None] * 64 + I * 16 + r[None, :]
-    d_A = tl.load(d_A_scratch + tile, mask=later, other=0.0)  # [i, j], strictly lower
-    d_P = tl.load(d_P_scratch + tile, mask=later, other=0.0)
-    weight = d_A[:, :, None] * bk_I[:, None, :] + d_P[:, :, None] * q_I[:, None, :]  # [i, j, c]
-    d_k_pair += tl.sum(E * weight, 0)
-    k_E = E * k_I[None, :, :]
-    d_bk_A += tl.sum(d_A[:, :, None] * k_E, 1)
-    d_q_P += tl.sum(d_P[:, :, None] * k_E, 1)
-    return d_k_pair, d_bk_A, d_q_P
-
-
-@triton.jit
 def _piece_rows(x, first, end, HK, cols_k, k_ok, h: tl.constexpr, R: tl.constexpr):
     """Rows ``first + R h .. first + R h + R - 1`` of an input as float32 [R, BKB] (zero past ``end``)."""
     t = first + R * h + tl.arange(0, R)
@@ -347,9 +326,11 @@ def _product(a, b):
 @triton.jit
 def _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I,
                 h: tl.constexpr, R: tl.constexpr):
-    """Rows ``R h .. R h + R - 1`` of the pairs inside sub-block I (``_pairs_inside_cube``):
-    ``carry[j]`` is the product of the decays after j before the piece, E the carry times the
-    running product inside it. Returns the keys' side (a sum over the piece's rows, [16, BKB]),
+    """Rows ``R h .. R h + R - 1`` of the pairs inside sub-block I: ``E[i, j, c] = exp(g_{j+1} +
+    ... + g_i)`` for ``i > j``, the carry (``carry[j]``: the product of the decays after j before
+    the piece) times the running product of per-step decays inside the piece (factors at and
+    before j selected to 1: E is exactly 1 at ``i <= j``, where dA and dP are selected to 0),
+    shared by the keys' side (a sum over i) and the rows' side (a sum over j). Returns the keys' side (a sum over the piece's rows, [16, BKB]),
     the rows' side ([R, BKB] twice) and the carry past the piece."""
     rows = R * h + tl.arange(0, R)
     step_decay = tl.exp(_piece_rows(g, first, end, HK, cols_k, k_ok, h, R))  # [R, BKB]
@@ -380,26 +361,31 @@ def _stack(top, bottom):
 @triton.jit
 def _pairs_inside_pieces(d_k_pair, d_bk_A, d_q_P, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
                          k_ok, r, I, BKB: tl.constexpr, PIECES: tl.constexpr):
-    """``_pairs_inside_cube`` in ``PIECES`` (2 or 4) pieces of rows, one after the other (a
-    smaller live cube: fewer registers)."""
+    """The pairs inside sub-block I as [rows, 16, BKB] tensors, in ``PIECES`` (1, 2 or 4) pieces
+    of rows one after the other (a smaller live tensor: fewer registers)."""
     R: tl.constexpr = 16 // PIECES
     carry = tl.full((16, BKB), 1.0, tl.float32)
     keys_0, bk_0, q_0, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
                                            k_ok, r, I, 0, R)
-    keys_1, bk_1, q_1, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
-                                           k_ok, r, I, 1, R)
-    if PIECES == 4:
-        keys_2, bk_2, q_2, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
-                                               cols_k, k_ok, r, I, 2, R)
-        keys_3, bk_3, q_3, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
-                                               cols_k, k_ok, r, I, 3, R)
-        d_k_pair += keys_0 + keys_1 + keys_2 + keys_3
-        d_bk_A += _stack(_stack(bk_0, bk_1), _stack(bk_2, bk_3))
-        d_q_P += _stack(_stack(q_0, q_1), _stack(q_2, q_3))
+    if PIECES == 1:
+        d_k_pair += keys_0
+        d_bk_A += bk_0
+        d_q_P += q_0
     else:
-        d_k_pair += keys_0 + keys_1
-        d_bk_A += _stack(bk_0, bk_1)
-        d_q_P += _stack(q_0, q_1)
+        keys_1, bk_1, q_1, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
+                                               cols_k, k_ok, r, I, 1, R)
+        if PIECES == 4:
+            keys_2, bk_2, q_2, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
+                                                   cols_k, k_ok, r, I, 2, R)
+            keys_3, bk_3, q_3, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
+                                                   cols_k, k_ok, r, I, 3, R)
+            d_k_pair += keys_0 + keys_1 + keys_2 + keys_3
+            d_bk_A += _stack(_stack(bk_0, bk_1), _stack(bk_2, bk_3))
+            d_q_P += _stack(_stack(q_0, q_1), _stack(q_2, q_3))
+        else:
+            d_k_pair += keys_0 + keys_1
+            d_bk_A += _stack(bk_0, bk_1)
+            d_q_P += _stack(q_0, q_1)
     return d_k_pair, d_bk_A, d_q_P
 
 
@@ -487,20 +473,10 @@ def _intra_backward_keys_kernel(
     # ``exp(g_{j+1})``). Both in one loop (step s: row s and column 15 - s), so that their loads
     # wait together, and each step's rows loaded one step ahead: a step's arithmetic is short.
     k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
-    if PAIRS == "cube":
-        q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
-        b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
-        bk_I = b_I * k_I
-        d_k_pair, d_bk_A, d_q_P = _pairs_inside_cube(
-            d_k_pair, d_bk_A, d_q_P, _rows(g, first, end, HK, cols_k, k_ok, 0), q_I, bk_I, k_I, d_A_scratch,
-            d_P_scratch, r, I)
-    elif PAIRS == "halves" or PAIRS == "quarters":
+    if PAIRS != "steps":  # "cube", "halves", "quarters": one, two or four pieces of rows
         d_k_pair, d_bk_A, d_q_P = _pairs_inside_pieces(
             d_k_pair, d_bk_A, d_q_P, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, BKB,
-            2 if PAIRS == "halves" else 4)
-        q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
-        b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
-        bk_I = b_I * k_I
+            1 if PAIRS == "cube" else 2 if PAIRS == "halves" else 4)
     else:
         E = tl.zeros((16, BKB), dtype=tl.float32)
         F = tl.zeros((16, BKB), dtype=tl.float32)
@@ -517,9 +493,9 @@ def _intra_backward_keys_kernel(
             F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
             g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
             g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
-        q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
-        b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
-        bk_I = b_I * k_I
+    q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
+    b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
+    bk_I = b_I * k_I
     decay = left * before[None, :]  # exp(G_i)
     decay_to_end = right * after[None, :]  # exp(g_{i+1} + ... + g_last)
     d_q_decayed = tl.load(d_qd + saved, mask=k_ok[None, :], other=0.0)
@@ -629,6 +605,9 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
 def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma, dot_precision: str, chunk_table=None):
     """Launch the key side (one program per 16-row sub-block, head and key block), then dg's
     chunk sums; returns ``(dq, dk, dg, db)``. ``d_qd`` is overwritten."""
+    if INTRA_BACKWARD_KEYS_PAIRS not in ("steps", "cube", "halves", "quarters"):
+        raise ValueError("INTRA_BACKWARD_KEYS_PAIRS: expected 'steps', 'cube', 'halves' or 'quarters', "
+                         f"received {INTRA_BACKWARD_KEYS_PAIRS!r}")
     B, T, H, K = q.shape
     N = d_A.shape[2]
     BKB = min(INTRA_BACKWARD_KEYS_BLOCK, max(16, triton.next_power_of_2(K)))
