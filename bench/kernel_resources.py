@@ -286,12 +286,13 @@ def main(argv=None) -> None:
 
 
 def set_launch(settings: dict) -> dict:
-    """Set launch constants of the kernel modules by name; returns the previous values."""
+    """Set launch constants of the kernel modules (forward, backward, the operator) by name;
+    returns the previous values (``bench/triton_h200.py``'s variants use it too)."""
     done = {}
     for name, value in settings.items():
         module = next((m for m in (forward, backward, operator) if hasattr(m, name)), None)
         if module is None:
-            raise SystemExit(f"--variant: no launch constant {name}")
+            raise ValueError(f"no launch constant {name!r} in the forward, backward or operator module")
         done[name] = getattr(module, name)
         setattr(module, name, value)
     return done

@@ -38,9 +38,7 @@ from gdn2.spec import reference_backward, reference_forward, random_inputs, rela
 from gdn2.testing import cuda_kernel_times
 from gdn2.paths import forget_announcements
 from gdn2.torch import chunk_gdn2, which_path
-import gdn2.torch.triton as triton_operator
-from gdn2.torch.triton import backward as triton_backward
-from gdn2.torch.triton import forward as triton_forward
+from kernel_resources import set_launch  # bench/, next to this script
 
 TIMING_SHAPES = [(8, 4096, 16, 128, 128), (2, 16384, 16, 128, 128), (16, 2048, 32, 64, 64)]
 # (B, T, H, K, V, log decay range): head sizes 16 to 256, T not a multiple of 64, K != V.
@@ -92,16 +90,6 @@ def fla_function():
         return fla_chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state)
 
     return fla
-
-
-def set_launch(settings: dict) -> dict:
-    """Set launch constants of the kernel modules; returns the previous values."""
-    previous = {}
-    for name, value in settings.items():
-        module = next(m for m in (triton_forward, triton_backward, triton_operator) if hasattr(m, name))
-        previous[name] = getattr(module, name)
-        setattr(module, name, value)
-    return previous
 
 
 def check(function, shape, dtype, seed):
