@@ -432,8 +432,8 @@ INTRA_FORWARD_VARIANTS = [
                          ids=lambda v: "-".join(f"{k.rsplit('_', 1)[-1].lower()}" for k in v))
 def test_intra_forward_variants_save_the_same_buffers(variant, packed, dtype, seed, interpreter, monkeypatch):
     """Each variant of the intra-forward launch (``INTRA_FORWARD_VARIANTS``: two programs per
-    chunk, the stores made early, A's rows read in the substitution) against the default on the same random inputs with hard resets
-    (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
+    chunk, the stores made early, A's rows read in the substitution) against the default on the
+    same random inputs with hard resets (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
     +inf in v and in w, padded rows, a partial last block of key columns (K = 40): P, X and
     first_bad exactly (the same products in the same order), qd, kd, gamma, Wk and Uw up to
     float32 rounding."""

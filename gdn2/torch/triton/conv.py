@@ -21,10 +21,10 @@ Options, as in ``gdn2.torch.layer.ShortConvolution``:
 Launches: forward (one program per block of steps, block of channels and batch row); backward
 in two, each one program per block of steps: the pre-activation gradient ``dz``, written to a
 float32 buffer, then the input gradient, each row reading the ``dz`` of the W steps that read it,
-and the block's partial sums of the weight and bias gradients (added by one ``torch.sum``). The backward recomputes the pre-activations from the inputs
-(W taps per step, read from cache), so the forward saves nothing but its inputs. Recomputing
-``dz`` at each of the W shifts inside one launch instead took 3.9 ms for the layer's three
-convolutions on the H200 (docs/triton.md).
+and the block's partial sums of the weight and bias gradients (added by one ``torch.sum``). The
+backward recomputes the pre-activations from the inputs (W taps per step, read from cache), so
+the forward saves nothing but its inputs. Recomputing ``dz`` at each of the W shifts inside one
+launch instead took 3.9 ms for the layer's three convolutions on the H200 (docs/triton.md).
 """
 
 from __future__ import annotations

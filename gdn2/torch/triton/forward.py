@@ -294,7 +294,8 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
 
     Each position p of the groups is its own [4, BK] tile (rows ``4 G + p``), so that inside the
     groups a chain of per-step decays runs on all four groups at once in four steps,
-    ``E_j <- E_j exp(g_p)`` (one exponential per entry of g), with nothing moved between rows. Across groups (group I > J), as in ``_intra_forward_kernel`` between sub-blocks: the
+    ``E_j <- E_j exp(g_p)`` (one exponential per entry of g), with nothing moved between rows.
+    Across groups (group I > J), as in ``_intra_forward_kernel`` between sub-blocks: the
     products ``(x_I e^{L_I}) (k_J e^{R_J} prod t_M)^T`` over the groups M strictly between, with
     ``e^L`` the inclusive prefix product of the decays inside a group, ``e^R`` the exclusive
     suffix product (the step chain's E at the last step) and ``t_M`` a group's total, every factor
