@@ -51,31 +51,10 @@ CHECK_SHAPES = [
     (1, 1, 2, 48, 80, (-20.0, 0.0)),
     (2, 100, 2, 16, 16, (-20.0, 0.0)),
 ]
-# Launch-setting variants of gdn2 (module constants of its kernel launchers, e.g.
+# Launch-setting variants of gdn2 go here (module constants of its kernel launchers, e.g.
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
-VARIANTS: list[dict] = [
-    dict(INVERSE_DOT="tf32x3"),  # the inverse's blocked products on tensor cores, three passes
-    # The key launch's pairs inside a sub-block all at once ([16, 16, 32] tensors) instead of a
-    # 16-step loop: about half the instructions (bench/kernel_resources.py --instructions), at
-    # more registers (12.5% occupancy where the loop has 25%, or capped by maxnreg).
-    dict(INTRA_BACKWARD_KEYS_PAIRS="cube"),  # 241 registers, 1.60 G warp-instructions (loop: 3.12)
-    dict(INTRA_BACKWARD_KEYS_PAIRS="halves", INTRA_BACKWARD_KEYS_MAX_REGISTERS=168),  # 18.8%, no spills, 1.70 G
-    dict(INTRA_BACKWARD_KEYS_PAIRS="quarters", INTRA_BACKWARD_KEYS_MAX_REGISTERS=128),  # 25%, 44 B spills, 1.77 G
-    dict(INTRA_BACKWARD_KEYS_PAIRS="halves"),  # 186 registers, 12.5%, 1.64 G
-    dict(INTRA_BACKWARD_KEYS_BLOCK=64),  # the loop with 64 key columns: 204 registers, 12.5%, 2.26 G
-    # the intra-forward launch (bench/kernel_resources.py --set ... prints their registers):
-    # A's rows read at each substitution step, P and X stored early (fewer instructions, no spills)
-    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True),
-    dict(INVERSE_READ_ROWS=True),
-    dict(INTRA_FORWARD_STORE_EARLY=True),
-    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INVERSE_DOT="tf32x3"),
-    # two programs per chunk (A and the inverse; P and the decays), alone and with a register cap
-    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True),
-    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_MAX_REGISTERS=168),
-    dict(INTRA_FORWARD_SPLIT=True, INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_WARPS=1),
-    dict(INVERSE_READ_ROWS=True, INTRA_FORWARD_STORE_EARLY=True, INTRA_FORWARD_MAX_REGISTERS=168),
-]
+VARIANTS: list[dict] = []
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 
