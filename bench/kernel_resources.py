@@ -328,14 +328,11 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
              gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, INVERSE=fk.INVERSE_DOT,
-             SPLIT=fk.INTRA_FORWARD_SPLIT, STORE_EARLY=fk.INTRA_FORWARD_STORE_EARLY, READ_ROWS=fk.INVERSE_READ_ROWS),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [-(-K // min(fk.INTRA_FORWARD_KEY_BLOCK, bk)), 15]  # key blocks; the inverse's rows
-    PROGRAMS["intra_forward"] = chunks * heads * (2 if fk.INTRA_FORWARD_SPLIT else 1)
-    OPTIONS["intra_forward"] = ({} if fk.INTRA_FORWARD_MAX_REGISTERS is None
-                                else dict(maxnreg=fk.INTRA_FORWARD_MAX_REGISTERS))
+    PROGRAMS["intra_forward"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed)
     out["wy"] = (

@@ -14,10 +14,10 @@ PyTorch custom operators (with their autograd) built from these launches:
 
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The
-16x16 products that build the inverse of ``I + A`` are exact float32 (``forward.INVERSE_DOT``).
-Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact
-float32. With bfloat16 inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (the chunk
-states, the decayed queries and keys) are kept in bfloat16.
+16x16 products that build the inverse of ``I + A`` are exact float32. Under the Triton
+interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
+inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (the chunk states, the decayed queries
+and keys) are kept in bfloat16.
 """
 
 from __future__ import annotations

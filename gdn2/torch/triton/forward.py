@@ -6,8 +6,7 @@ Five launches:
   tiles of the erase interactions ``A`` and of the query-key interactions ``P``, the rows in four
   groups of four (inside a group a chain of per-step decays, all groups at once; across groups
   the products below);
-* ``_intra_forward_kernel`` (one program per chunk and head, parallel; or two, one for ``A`` and
-  the inverse, one for ``P`` and the decays, with ``INTRA_FORWARD_SPLIT``): the other tiles of ``A``
+* ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
   and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``; from the same key loop,
   the decayed queries and keys the sequential pass and the output use, ``qd = q * exp(G)``,
   ``kd = k * exp(G_last - G)``, ``gamma = exp(G_last)``, and the decayed erase keys
@@ -57,20 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# Two programs per chunk in the intra-forward launch, one for A's tiles and the inverse, one for
-# P's tiles and the decays (half the accumulators each).
-INTRA_FORWARD_SPLIT = False
-# The intra-forward launch stores P's tiles before the inverse and X's as soon as each is final.
-INTRA_FORWARD_STORE_EARLY = False
-# A cap on the intra-forward launch's registers per thread (ptxas spills above it; None: no cap),
-# for more programs per multiprocessor: 168 allows 12 warps, 128 allows 16.
-INTRA_FORWARD_MAX_REGISTERS = None
-# Precision of the inverse's blocked 16x16 products: "ieee" (exact float32, by FMAs) or "tf32x3"
-# (three tensor-core products, about float32's accuracy).
-INVERSE_DOT = "ieee"
-# The forward substitution of the inverse's diagonal tiles reads each row of A from memory at its
-# step (no tile of A held, no reduction to pick the row out of it).
-INVERSE_READ_ROWS = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -149,37 +134,10 @@ def _inverse_unit_lower_16_four(A0, A1, A2, A3):
 
 
 @triton.jit
-def _inverse_unit_lower_16_four_read(matrix):
-    """``_inverse_unit_lower_16_four`` of the diagonal 16x16 tiles of the [64, 64] chunk matrix at
-    ``matrix``, each row of A read from memory when its step comes (the same operations on the
-    same values, without a tile of A held, nor a row picked out of it by a reduction)."""
-    r = tl.arange(0, 16)
-    X0 = (r[:, None] == r[None, :]).to(tl.float32)
-    X1 = X0
-    X2 = X0
-    X3 = X0
-    for i in range(1, 16):
-        at_i = r[:, None] == i
-        X0 = _substitute_read_row(X0, tl.load(matrix + i * 64 + r), at_i)
-        X1 = _substitute_read_row(X1, tl.load(matrix + (16 + i) * 64 + 16 + r), at_i)
-        X2 = _substitute_read_row(X2, tl.load(matrix + (32 + i) * 64 + 32 + r), at_i)
-        X3 = _substitute_read_row(X3, tl.load(matrix + (48 + i) * 64 + 48 + r), at_i)
-    # Every warp's reads of A's diagonal tiles done before any warp writes X's over them (the rows
-    # may be loaded straight into the layout of their use, with no barrier on the way).
-    tl.debug_barrier()
-    return X0, X1, X2, X3
-
-
-@triton.jit
-def _substitute_read_row(X, a_row, at_i):
-    """``_substitute_row`` with row i of A given (``a_row``, indexed by column j)."""
-    return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
-
-
-@triton.jit
 def _substitute_row(X, A, at_i):
     """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it: ``X[i] -= sum_j A[i, j] X[j]``."""
-    return _substitute_read_row(X, tl.sum(tl.where(at_i, A, 0.0), 0), at_i)  # A[i, :] indexed by column j
+    a_row = tl.sum(tl.where(at_i, A, 0.0), 0)  # A[i, :], indexed by column j
+    return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
 
 
 @triton.jit
@@ -190,8 +148,7 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, key_bad_rows,
-               QUERY: tl.constexpr = True):
+def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, key_bad_rows):
     """Inputs and span sums of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns.
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
@@ -199,24 +156,18 @@ def _sub_block(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok, k
     ``key_bad_rows``, updated to the chunk's first rows with a bad key-side input
     so far ([16] int32: per row r of a sub-block, the least 16 M + r over the sub-blocks M and key
     columns seen whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none).
-    Without ``QUERY`` (a program that makes A alone), q is not read (the k tile is returned in its
-    place) and ``key_bad_rows`` is returned as it came.
     """
     r = tl.arange(0, 16)
     t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
-    if QUERY:
-        q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
+    q_tile = tl.load(q + offsets, mask=ok, other=0.0).to(tl.float32)
     k_raw = tl.load(k + offsets, mask=ok, other=0.0).to(tl.float32)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0).to(tl.float32)
     g_raw = tl.load(g + offsets, mask=ok, other=0.0).to(tl.float32)
-    if QUERY:
-        bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-        key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
+    bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
     k_tile = _finite(k_raw)
-    if not QUERY:
-        q_tile = k_tile  # not read
     bk = _finite(b_raw) * k_tile
     g_tile = _decay(g_raw)
     next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
@@ -418,29 +369,18 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INVERSE: tl.constexpr,
-    SPLIT: tl.constexpr, STORE_EARLY: tl.constexpr, READ_ROWS: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}`` (its
-    blocked products in ``INVERSE`` precision, ``INVERSE_DOT``).
+    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
     exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)``
     (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``:
     products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
-    NaN or +inf g: ``key_first_bad_out``).
-
-    ``SPLIT`` (``INTRA_FORWARD_SPLIT``; grid (2 * chunks, B * H)): two programs per chunk, the
-    first makes A's tiles and the inverse, the second P's tiles and the rest, each with six
-    accumulators instead of twelve (both read the chunk's inputs, the second's reads mostly from
-    L2). ``STORE_EARLY`` (``INTRA_FORWARD_STORE_EARLY``): P's tiles stored before the inverse and
-    X's as soon as each is final, so that fewer tiles stay live through the inverse."""
-    if SPLIT:
-        i_n = tl.program_id(0) // 2
-        makes_A = tl.program_id(0) % 2 == 0
-    else:
-        i_n = tl.program_id(0)
+    NaN or +inf g: ``key_first_bad_out``). P's tiles are stored before the inverse and X's as
+    soon as each is final, so that few tiles stay live through the inverse."""
+    i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -448,39 +388,18 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if SPLIT:
-        if makes_A:
-            A10, A20, A21, A30, A31, A32, _, _, _, _, _, _ = _off_diagonal_tiles(
-                q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                chunk, K, BK, DOT, True, False)
-            _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE, STORE_EARLY, READ_ROWS)
-        else:
-            _, _, _, _, _, _, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-                q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                chunk, K, BK, DOT, False, True)
-            _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    else:
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-            chunk, K, BK, DOT, True, True)
-        if STORE_EARLY:
-            _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-            _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE, True, READ_ROWS)
-        else:
-            X_matrix = X_out + chunk * 64 * 64
-            X00, X11, X22, X33, X10, X20, X21, X30, X31, X32 = _inverse(
-                X_matrix, A10, A20, A21, A30, A31, A32, INVERSE, False, READ_ROWS)
-            _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-            _store_X(X_matrix, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
+    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+        chunk, K, BK, DOT)
+    _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
+    _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                        ERASE: tl.constexpr, QUERY: tl.constexpr):
-    """The key loop of ``_intra_forward_kernel``: returns A's off-diagonal tiles (``ERASE``) and
-    P's (``QUERY``; the other matrix's are zeros, not made), and with ``QUERY`` stores qd, kd,
-    bkd, gamma and the key side's first bad row of the chunk."""
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
+    qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
     A20 = tl.zeros((16, 16), dtype=tl.float32)
     A21 = tl.zeros((16, 16), dtype=tl.float32)
@@ -504,144 +423,103 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok, key_bad_rows, QUERY)
+            q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L0)  # exp(G) on sub-block 0
-        if QUERY:
-            _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-            _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
         q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok, key_bad_rows, QUERY)
+            q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L1)
-        if ERASE:
-            A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
-        if QUERY:
-            P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
+        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
-        if QUERY:
-            left = left * before[None, :]  # exp(G) on sub-block 1
-            _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-            _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
-            before = before * decay1
+        left = left * before[None, :]  # exp(G) on sub-block 1
+        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        before = before * decay1
         right0 = right0 * decay1[None, :]
         right1 = k1 * tl.exp(R1)
 
         q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok, key_bad_rows, QUERY)
+            q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L2)
-        if ERASE:
-            A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
-        if QUERY:
-            P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
-        if ERASE:
-            A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
-        if QUERY:
-            P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
+        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
+        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
+        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
-        if QUERY:
-            left = left * before[None, :]  # exp(G) on sub-block 2
-            _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-            _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
-            before = before * decay2
+        left = left * before[None, :]  # exp(G) on sub-block 2
+        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        before = before * decay2
         right0 = right0 * decay2[None, :]
         right1 = right1 * decay2[None, :]
         right2 = k2 * tl.exp(R2)
 
         q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(
-            q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok, key_bad_rows, QUERY)
+            q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok, key_bad_rows)
         left = tl.exp(L3)
-        if ERASE:
-            A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
-        if QUERY:
-            P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
-        if ERASE:
-            A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
-        if QUERY:
-            P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
-        if ERASE:
-            A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
-        if QUERY:
-            P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
-            left = left * before[None, :]  # exp(G) on sub-block 3
-            _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-            _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
-            decay3 = tl.exp(s3)
-            tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
-            # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-            decay3 = decay3[None, :]
-            _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
-            _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
-            _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-            _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
+        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
+        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
+        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
+        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
+        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
+        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
+        left = left * before[None, :]  # exp(G) on sub-block 3
+        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        decay3 = tl.exp(s3)
+        tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
+        # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
+        decay3 = decay3[None, :]
+        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
-    if QUERY:
-        tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
+    tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
 @triton.jit
-def _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE: tl.constexpr, STORE: tl.constexpr,
-             READ_ROWS: tl.constexpr):
-    """``X = (I + A)^{-1}`` of one chunk: the diagonal tiles by forward substitution (A's diagonal
-    tiles are where ``_diagonal_kernel`` wrote them, in X's own buffer at ``matrix``; each is read
-    here before X's is written), the others by the blocked formula
-    ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` (``INVERSE`` precision). With ``STORE``, each tile
-    is stored over A's at ``matrix`` as soon as it is final (and X's upper tiles zero); with
-    ``READ_ROWS``, the substitution reads A's rows from memory one step at a time."""
-    if READ_ROWS:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four_read(matrix)
-    else:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-            _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
-    if STORE:
-        zero = tl.zeros((16, 16), dtype=tl.float32)
-        _store_tile(matrix, 0, 0, X00)
-        _store_tile(matrix, 0, 1, zero)
-        _store_tile(matrix, 0, 2, zero)
-        _store_tile(matrix, 0, 3, zero)
-        _store_tile(matrix, 1, 1, X11)
-        _store_tile(matrix, 1, 2, zero)
-        _store_tile(matrix, 1, 3, zero)
-        _store_tile(matrix, 2, 2, X22)
-        _store_tile(matrix, 2, 3, zero)
-        _store_tile(matrix, 3, 3, X33)
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INVERSE), input_precision=INVERSE)
-    if STORE:
-        _store_tile(matrix, 1, 0, X10)
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INVERSE), input_precision=INVERSE)
-    if STORE:
-        _store_tile(matrix, 2, 1, X21)
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INVERSE) + tl.dot(A21, X10, input_precision=INVERSE),
-                  input_precision=INVERSE)
-    if STORE:
-        _store_tile(matrix, 2, 0, X20)
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INVERSE), input_precision=INVERSE)
-    if STORE:
-        _store_tile(matrix, 3, 2, X32)
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INVERSE) + tl.dot(A32, X21, input_precision=INVERSE),
-                  input_precision=INVERSE)
-    if STORE:
-        _store_tile(matrix, 3, 1, X31)
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INVERSE) + tl.dot(A31, X10, input_precision=INVERSE)
-                  + tl.dot(A32, X20, input_precision=INVERSE), input_precision=INVERSE)
-    if STORE:
-        _store_tile(matrix, 3, 0, X30)
-    return X00, X11, X22, X33, X10, X20, X21, X30, X31, X32
-
-
-@triton.jit
-def _store_inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE: tl.constexpr, STORE_EARLY: tl.constexpr,
-                   READ_ROWS: tl.constexpr):
-    """``X = (I + A)^{-1}`` of one chunk into ``matrix`` (``_inverse``), each tile stored as soon as
-    it is final (``STORE_EARLY``) or all at the end."""
-    if STORE_EARLY:
-        _inverse(matrix, A10, A20, A21, A30, A31, A32, INVERSE, True, READ_ROWS)
-    else:
-        X00, X11, X22, X33, X10, X20, X21, X30, X31, X32 = _inverse(
-            matrix, A10, A20, A21, A30, A31, A32, INVERSE, False, READ_ROWS)
-        _store_X(matrix, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32)
+def _store_inverse(matrix, A10, A20, A21, A30, A31, A32):
+    """``X = (I + A)^{-1}`` of one chunk, stored over A at ``matrix``: the diagonal tiles by forward
+    substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, in X's own buffer;
+    each is read here before X's is written), the others by the blocked formula
+    ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``; each tile stored as soon as it is final, X's
+    upper tiles zero."""
+    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+        _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    _store_tile(matrix, 0, 0, X00)
+    _store_tile(matrix, 0, 1, zero)
+    _store_tile(matrix, 0, 2, zero)
+    _store_tile(matrix, 0, 3, zero)
+    _store_tile(matrix, 1, 1, X11)
+    _store_tile(matrix, 1, 2, zero)
+    _store_tile(matrix, 1, 3, zero)
+    _store_tile(matrix, 2, 2, X22)
+    _store_tile(matrix, 2, 3, zero)
+    _store_tile(matrix, 3, 3, X33)
+    # Exact float32 products ("ieee"): "tf32x3" (three tensor-core passes) measured slower on the H200.
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
+    _store_tile(matrix, 1, 0, X10)
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
+    _store_tile(matrix, 2, 1, X21)
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
+                  input_precision="ieee")
+    _store_tile(matrix, 2, 0, X20)
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
+    _store_tile(matrix, 3, 2, X32)
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
+                  input_precision="ieee")
+    _store_tile(matrix, 3, 1, X31)
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
+                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    _store_tile(matrix, 3, 0, X30)
 
 
 @triton.jit
@@ -661,28 +539,6 @@ def _store_P(matrix, P10, P20, P21, P30, P31, P32):
     _store_tile(matrix, 3, 0, P30)
     _store_tile(matrix, 3, 1, P31)
     _store_tile(matrix, 3, 2, P32)
-
-
-@triton.jit
-def _store_X(matrix, X00, X11, X22, X33, X10, X20, X21, X30, X31, X32):
-    """Every tile of one chunk's X (the upper ones zero)."""
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    _store_tile(matrix, 0, 0, X00)
-    _store_tile(matrix, 0, 1, zero)
-    _store_tile(matrix, 0, 2, zero)
-    _store_tile(matrix, 0, 3, zero)
-    _store_tile(matrix, 1, 0, X10)
-    _store_tile(matrix, 1, 1, X11)
-    _store_tile(matrix, 1, 2, zero)
-    _store_tile(matrix, 1, 3, zero)
-    _store_tile(matrix, 2, 0, X20)
-    _store_tile(matrix, 2, 1, X21)
-    _store_tile(matrix, 2, 2, X22)
-    _store_tile(matrix, 2, 3, zero)
-    _store_tile(matrix, 3, 0, X30)
-    _store_tile(matrix, 3, 1, X31)
-    _store_tile(matrix, 3, 2, X32)
-    _store_tile(matrix, 3, 3, X33)
 
 
 @triton.jit
@@ -779,12 +635,10 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
-    _intra_forward_kernel[(2 * N if INTRA_FORWARD_SPLIT else N, B * H)](
+    _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, INVERSE=INVERSE_DOT, SPLIT=INTRA_FORWARD_SPLIT, STORE_EARLY=INTRA_FORWARD_STORE_EARLY,
-        READ_ROWS=INVERSE_READ_ROWS, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        **({} if INTRA_FORWARD_MAX_REGISTERS is None else dict(maxnreg=INTRA_FORWARD_MAX_REGISTERS)),
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
