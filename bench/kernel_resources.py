@@ -53,9 +53,9 @@ class Compiled(NamedTuple):
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
-          disassemble: bool = False, options: dict | None = None) -> Compiled:
+          disassemble: bool = False) -> Compiled:
     """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas; with
-    ``disassemble``, the cubin's SASS too. ``options``: more compile options (``maxnreg``)."""
+    ``disassemble``, the cubin's SASS too."""
     names = kernel.arg_names
     signature = {}
     for name in names:
@@ -71,7 +71,7 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
     divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1, **(options or {})))
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
     sass = ""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
@@ -244,7 +244,7 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="compile only these kernels (names as printed)")
     parser.add_argument("--variant", nargs="+", default=[], metavar="NAME=VALUE",
                         help="set launch constants of the kernel modules first (VALUE a Python literal), e.g. "
-                             "INTRA_BACKWARD_KEYS_BLOCK=64")
+                             "INTRA_FORWARD_WARPS=4")
     parser.add_argument(
         "--instructions", action="store_true",
         help="disassemble each cubin (Triton's nvdisasm) and print: the static SASS instruction count by class "
@@ -269,8 +269,7 @@ def main(argv=None) -> None:
             if args.only and name not in args.only:
                 continue
             try:
-                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions,
-                                 options=OPTIONS.get(name))
+                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions)
                 line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
                 registers = re.search(r"Used (\d+) registers", compiled.report)
                 if registers:
@@ -303,7 +302,6 @@ def set_launch(settings: dict) -> dict:
 # count varies.
 LOOP_TRIPS: dict[str, list[float]] = {}
 PROGRAMS: dict[str, int] = {}
-OPTIONS: dict[str, dict] = {}  # more compile options a launcher passes (maxnreg)
 
 
 def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8, T: int = 4096, H: int = 16) -> dict:
@@ -314,7 +312,6 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     chunks = -(-T // 64)
     LOOP_TRIPS.clear()
     PROGRAMS.clear()
-    OPTIONS.clear()
     heads = B * H
     key_blocks_of = lambda block: -(-K // block)  # noqa: E731
     def saved(name):  # the dtype of a saved buffer, as the operator allocates it
@@ -402,16 +399,15 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, PAIRS=bw.INTRA_BACKWARD_KEYS_PAIRS),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed),
         bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     keys_block = min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk)
     PROGRAMS["intra_backward_keys"] = 4 * chunks * heads * key_blocks_of(keys_block)
     # The loops over earlier and later sub-blocks run 0 to 3 times (1.5 on average), the pairs
     # inside a sub-block 16 steps.
-    LOOP_TRIPS["intra_backward_keys"] = [1.5, 1.5] + ([16] if bw.INTRA_BACKWARD_KEYS_PAIRS == "steps" else [])
+    LOOP_TRIPS["intra_backward_keys"] = [1.5, 1.5, 16]
     PROGRAMS["gate_gradient"] = chunks * heads * key_blocks_of(keys_block)
-    OPTIONS["intra_backward_keys"] = bw.intra_backward_keys_options()
     out["gate_gradient"] = (
         bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp, chunk_table="i32"),
         {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), PACKED=packed), 4,

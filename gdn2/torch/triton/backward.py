@@ -18,9 +18,8 @@
   go one row (keys' side) and one column (rows' side) per step, in one loop, each step's rows
   loaded one step ahead: a step's arithmetic is short, and without the prefetch each step waits
   for its own loads (H200: 13.20 ms forward+backward with two loops and no prefetch, 12.36 so).
-  ``INTRA_BACKWARD_KEYS_PAIRS`` selects instead every pair at once ("cube": [16, 16, key block]
-  tensors, the decays a running product along the rows, shared by both sides), or in two or
-  four pieces of rows ("halves", "quarters": a smaller live tensor, fewer registers).
+  Every pair at once as [16, 16, key block] tensors, or in two or four pieces of rows, took half
+  the instructions and made forward+backward 1.1x to 1.5x slower (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -108,19 +107,7 @@ INTRA_BACKWARD_KEY_BLOCK = 32
 INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
-INTRA_BACKWARD_KEYS_BLOCK = 32
-# How the key launch forms the pairs inside a 16-row sub-block: "steps" (one row and one column
-# per step of a 16-step loop) or "cube" (every pair at once, as [16, 16, key block] tensors, the
-# decays shared by the keys' and the rows' side).
-INTRA_BACKWARD_KEYS_PAIRS = "steps"
-# A cap on the key launch's registers per thread (ptxas ``maxnreg``; None: no cap), for an
-# occupancy the form would not reach by itself.
-INTRA_BACKWARD_KEYS_MAX_REGISTERS = None
-
-
-def intra_backward_keys_options() -> dict:
-    """Compile options of the key launch beyond warps and stages."""
-    return {} if INTRA_BACKWARD_KEYS_MAX_REGISTERS is None else dict(maxnreg=INTRA_BACKWARD_KEYS_MAX_REGISTERS)
+INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64 was slower)
 
 
 @triton.jit
@@ -312,84 +299,6 @@ def _column_step(F, d_bk_A, d_q_P, r, j, g_next, k_j, d_A_column, d_P_column):
 
 
 @triton.jit
-def _piece_rows(x, first, end, HK, cols_k, k_ok, h: tl.constexpr, R: tl.constexpr):
-    """Rows ``first + R h .. first + R h + R - 1`` of an input as float32 [R, BKB] (zero past ``end``)."""
-    t = first + R * h + tl.arange(0, R)
-    return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=(t < end)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _product(a, b):
-    return a * b
-
-
-@triton.jit
-def _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I,
-                h: tl.constexpr, R: tl.constexpr):
-    """Rows ``R h .. R h + R - 1`` of the pairs inside sub-block I: ``E[i, j, c] = exp(g_{j+1} +
-    ... + g_i)`` for ``i > j``, the carry (``carry[j]``: the product of the decays after j before
-    the piece) times the running product of per-step decays inside the piece (factors at and
-    before j selected to 1: E is exactly 1 at ``i <= j``, where dA and dP are selected to 0),
-    shared by the keys' side (a sum over i) and the rows' side (a sum over j). Returns the keys' side (a sum over the piece's rows, [16, BKB]),
-    the rows' side ([R, BKB] twice) and the carry past the piece."""
-    rows = R * h + tl.arange(0, R)
-    step_decay = tl.exp(_piece_rows(g, first, end, HK, cols_k, k_ok, h, R))  # [R, BKB]
-    later = rows[:, None] > r[None, :]  # [s, j]
-    factor = tl.where(later[:, :, None], step_decay[:, None, :], 1.0)  # [s, j, c]
-    E = tl.cumprod(factor, 0) * carry[None, :, :]  # [i, j, c]
-    tile = (I * 16 + rows)[:, None] * 64 + I * 16 + r[None, :]
-    d_A = tl.load(d_A_scratch + tile, mask=later, other=0.0)  # [i, j], strictly lower
-    d_P = tl.load(d_P_scratch + tile, mask=later, other=0.0)
-    q_h = _piece_rows(q, first, end, HK, cols_k, k_ok, h, R)
-    bk_h = _piece_rows(b, first, end, HK, cols_k, k_ok, h, R) * _piece_rows(k, first, end, HK, cols_k, k_ok, h, R)
-    weight = d_A[:, :, None] * bk_h[:, None, :] + d_P[:, :, None] * q_h[:, None, :]
-    keys_side = tl.sum(E * weight, 0)
-    k_E = E * k_I[None, :, :]
-    bk_side = tl.sum(d_A[:, :, None] * k_E, 1)
-    q_side = tl.sum(d_P[:, :, None] * k_E, 1)
-    carry = carry * tl.reduce(factor, 0, _product)
-    return keys_side, bk_side, q_side, carry
-
-
-@triton.jit
-def _stack(top, bottom):
-    """[R, BKB] twice -> [2 R, BKB], top rows first."""
-    both = tl.permute(tl.join(top, bottom), (2, 0, 1))  # [2, R, BKB]
-    return tl.reshape(both, (2 * top.shape[0], top.shape[1]))
-
-
-@triton.jit
-def _pairs_inside_pieces(d_k_pair, d_bk_A, d_q_P, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
-                         k_ok, r, I, BKB: tl.constexpr, PIECES: tl.constexpr):
-    """The pairs inside sub-block I as [rows, 16, BKB] tensors, in ``PIECES`` (1, 2 or 4) pieces
-    of rows one after the other (a smaller live tensor: fewer registers)."""
-    R: tl.constexpr = 16 // PIECES
-    carry = tl.full((16, BKB), 1.0, tl.float32)
-    keys_0, bk_0, q_0, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
-                                           k_ok, r, I, 0, R)
-    if PIECES == 1:
-        d_k_pair += keys_0
-        d_bk_A += bk_0
-        d_q_P += q_0
-    else:
-        keys_1, bk_1, q_1, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
-                                               cols_k, k_ok, r, I, 1, R)
-        if PIECES == 4:
-            keys_2, bk_2, q_2, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
-                                                   cols_k, k_ok, r, I, 2, R)
-            keys_3, bk_3, q_3, carry = _piece_cube(carry, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK,
-                                                   cols_k, k_ok, r, I, 3, R)
-            d_k_pair += keys_0 + keys_1 + keys_2 + keys_3
-            d_bk_A += _stack(_stack(bk_0, bk_1), _stack(bk_2, bk_3))
-            d_q_P += _stack(_stack(q_0, q_1), _stack(q_2, q_3))
-        else:
-            d_k_pair += keys_0 + keys_1
-            d_bk_A += _stack(bk_0, bk_1)
-            d_q_P += _stack(q_0, q_1)
-    return d_k_pair, d_bk_A, d_q_P
-
-
-@triton.jit
 def _intra_backward_keys_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     d_qd, d_kd, d_bkd,  # from the contraction launch, [B, H, N * 64, K]; d_qd's rows get dg's partial sums
@@ -397,7 +306,7 @@ def _intra_backward_keys_kernel(
     d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
-    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, PAIRS: tl.constexpr = "steps",
+    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -473,26 +382,22 @@ def _intra_backward_keys_kernel(
     # ``exp(g_{j+1})``). Both in one loop (step s: row s and column 15 - s), so that their loads
     # wait together, and each step's rows loaded one step ahead: a step's arithmetic is short.
     k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
-    if PAIRS != "steps":  # "cube", "halves", "quarters": one, two or four pieces of rows
-        d_k_pair, d_bk_A, d_q_P = _pairs_inside_pieces(
-            d_k_pair, d_bk_A, d_q_P, g, q, b, k, k_I, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, BKB,
-            1 if PAIRS == "cube" else 2 if PAIRS == "halves" else 4)
-    else:
-        E = tl.zeros((16, BKB), dtype=tl.float32)
-        F = tl.zeros((16, BKB), dtype=tl.float32)
-        g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
-        g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
-        for s in range(16):
-            g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
-                q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
-            g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
-                k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
-            E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-            F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
-            g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
-            g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
+    E = tl.zeros((16, BKB), dtype=tl.float32)
+    F = tl.zeros((16, BKB), dtype=tl.float32)
+    g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+        q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
+    g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+        k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
+    for s in range(16):
+        g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
+            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
+        g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
+            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
+        E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+        F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
+        g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
+        g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
+
     q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
     b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
     bk_I = b_I * k_I
@@ -605,9 +510,6 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
 def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma, dot_precision: str, chunk_table=None):
     """Launch the key side (one program per 16-row sub-block, head and key block), then dg's
     chunk sums; returns ``(dq, dk, dg, db)``. ``d_qd`` is overwritten."""
-    if INTRA_BACKWARD_KEYS_PAIRS not in ("steps", "cube", "halves", "quarters"):
-        raise ValueError("INTRA_BACKWARD_KEYS_PAIRS: expected 'steps', 'cube', 'halves' or 'quarters', "
-                         f"received {INTRA_BACKWARD_KEYS_PAIRS!r}")
     B, T, H, K = q.shape
     N = d_A.shape[2]
     BKB = min(INTRA_BACKWARD_KEYS_BLOCK, max(16, triton.next_power_of_2(K)))
@@ -615,8 +517,8 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
-        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, PAIRS=INTRA_BACKWARD_KEYS_PAIRS,
-        num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1, **intra_backward_keys_options(),
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=INTRA_BACKWARD_KEYS_WARPS,
+        num_stages=1,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
         d_qd, sub_block_sums, gamma, d_gamma, dg, _table(chunk_table, q), T, H, K, N, BKB=BKB,
