@@ -192,8 +192,10 @@ def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "requested but unavailable" in messages[0], messages
     reference, _ = chunk_gdn2(q, k, v, g, b, w, initial_state=state, path="chunk")
-    torch.testing.assert_close(o1, reference)
-    torch.testing.assert_close(o2, reference)
+    # the same path; CPU products may sum in another order from one call to the next (one entry
+    # in 160 once differed by 2.2e-5)
+    torch.testing.assert_close(o1, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o2, reference, rtol=1e-4, atol=1e-4)
 
 
 @kernel_only
