@@ -16,6 +16,9 @@ forward (no autograd graph) and forward+backward median ms, peak memory during f
 (CUDA), the difference of output and input gradient to the first row, and the same two times
 with the operator replaced by a no-op of the same output shape (zero gradients): the glue, all
 that is not the operator. fla's operator L2-normalises q and k inside itself; ours outside it.
+A layer's times move between timings by more than the rows differ (fla's forward by up to 1.4 ms
+from one process to the next), so every row is timed ``--rounds`` times, the rows in turn, and
+reports the median of its rounds (each round's numbers are printed and kept in the JSON).
 
 Language-model rows: ``GDN2LanguageModel`` (``--lm-layers`` blocks, hidden ``--lm-hidden``,
 vocabulary ``--lm-vocab``), float32 weights, AdamW, bf16 autocast, B x T random tokens: a whole
@@ -32,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -46,7 +50,8 @@ OUT = Path(__file__).with_name("out")
 FLA_ARGUMENTS = ("hidden_size", "expand_v", "head_dim", "num_heads", "num_v_heads", "use_short_conv",
                  "allow_neg_eigval", "conv_size", "conv_bias", "norm_eps")
 FULL = dict(hidden=2048, heads=16, head_dim=128, B=4, T=4096,
-            lm_layers=4, lm_hidden=1024, lm_heads=8, lm_vocab=32000, lm_B=8, lm_T=2048, repeats=20, warmup=3)
+            lm_layers=4, lm_hidden=1024, lm_heads=8, lm_vocab=32000, lm_B=8, lm_T=2048, repeats=20, warmup=3,
+            rounds=3)
 OPERATOR_INPUTS = ("float32", "projections")
 # Launch-setting variants of the fused glue ("module.CONSTANT" of gdn2.torch.triton's conv, gates
 # and norm), each timed on the layer rows' inputs and compared with the default settings
@@ -56,7 +61,8 @@ GLUE_VARIANTS: list[dict] = [
     {"conv.BACKWARD_WARPS": 4},
 ]
 SMALL = dict(hidden=64, heads=2, head_dim=32, B=2, T=40,
-             lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1)
+             lm_layers=2, lm_hidden=64, lm_heads=2, lm_vocab=128, lm_B=2, lm_T=40, repeats=2, warmup=1,
+             rounds=2)
 
 
 def fla_layer_class():
@@ -194,7 +200,7 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
     generator = torch.Generator(device=device.device).manual_seed(args.seed)
     x = torch.randn(args.B, args.T, args.hidden, generator=generator, device=device.device, dtype=dtype).requires_grad_(True)
     d_out = torch.randn(x.shape, generator=generator, device=device.device, dtype=dtype)
-    rows, first = [], None
+    rows, first, timed = [], None, []
     for name, layer, setting in gdn2_rows(layers.items(), args.operator_inputs):
         layer_module.OPERATOR_INPUT_DTYPE = setting
         row = {"what": "layer", "name": name, "operator_inputs": setting}
@@ -216,18 +222,42 @@ def bench_layers(args, device: Device, fla_class) -> list[dict]:
             row[f"input_grad_difference_to_{first[0]}"] = relative_difference(x.grad, first[2])
         del out
         row.update(time_layer(layer, x, d_out, device, args.repeats, args.warmup))
+        row["forward_ms_rounds"], row["forward_backward_ms_rounds"] = [row["forward_ms"]], [row["forward_backward_ms"]]
         with operator_replaced("fla" in layers):
             glue = time_layer(layer, x, d_out, device, args.repeats, args.warmup)
         row["glue_forward_ms"], row["glue_forward_backward_ms"] = glue["forward_ms"], glue["forward_backward_ms"]
         rows.append(row)
+        timed.append((row, layer, setting))
         print("  " + layer_line(row), flush=True)
         if args.profile and device.cuda:
             row["profile"] = profile_layer(layer, x, d_out)
             for entry in row["profile"]:
                 print(f"      {entry['ms']:8.4f} ms  {entry['calls']:3d} x  {entry['kernel']}", flush=True)
+    time_rounds(timed, x, d_out, device, args)
     if args.variants:
         rows += glue_variants(args, layers["gdn2"], x, d_out, device)
     return rows
+
+
+def time_rounds(timed, x, d_out, device: Device, args) -> None:
+    """Time every layer row again, ``args.rounds - 1`` more times in turn (a layer's times move
+    between rounds by more than the rows differ), and make each row's forward and forward+backward
+    the median over its rounds (each round's in ``*_rounds``)."""
+    for _ in range(1, args.rounds):
+        for row, layer, setting in timed:
+            layer_module.OPERATOR_INPUT_DTYPE = setting
+            again = time_layer(layer, x, d_out, device, args.repeats, args.warmup)
+            row["forward_ms_rounds"].append(again["forward_ms"])
+            row["forward_backward_ms_rounds"].append(again["forward_backward_ms"])
+    if args.rounds > 1:
+        print(f"  median of {args.rounds} rounds, each row timed in turn (each round's ms):", flush=True)
+    for row, _, _ in timed:
+        row["forward_ms"] = statistics.median(row["forward_ms_rounds"])
+        row["forward_backward_ms"] = statistics.median(row["forward_backward_ms_rounds"])
+        if args.rounds > 1:
+            rounds = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(row["forward_ms_rounds"], row["forward_backward_ms_rounds"]))
+            print(f"  {row['name']:30s} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms"
+                  f"  (rounds fwd/fwd+bwd: {rounds})", flush=True)
 
 
 def set_glue_constants(settings: dict) -> dict:
