@@ -159,9 +159,11 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
     next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
-    return (tl.load(q + offsets, mask=ok, other=0.0), tl.load(k + offsets, mask=ok, other=0.0),
-            tl.load(b + offsets, mask=ok, other=0.0), tl.load(g + offsets, mask=ok, other=0.0),
-            tl.load(g + offsets + HK, mask=next_ok, other=0.0))
+    k_raw = tl.load(k + offsets, mask=ok, other=0.0)
+    q_raw = tl.load(q + offsets, mask=ok, other=0.0)
+    b_raw = tl.load(b + offsets, mask=ok, other=0.0)
+    g_raw = tl.load(g + offsets, mask=ok, other=0.0)
+    return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
 
 
 @triton.jit
@@ -175,6 +177,7 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad_
     columns seen whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none).
     """
     r = tl.arange(0, 16)
+    q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
     g_raw = g_raw.to(tl.float32)
@@ -187,7 +190,7 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad_
     L = tl.cumsum(g_tile, 0)
     R = tl.cumsum(g_next, 0, reverse=True)
     total = tl.sum(g_tile, 0)
-    return q_raw.to(tl.float32), k_tile, bk, L, R, total, key_bad_rows
+    return q_tile, k_tile, bk, L, R, total, key_bad_rows
 
 
 @triton.jit
