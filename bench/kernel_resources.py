@@ -342,7 +342,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     PROGRAMS["wy"] = chunks * heads
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32")
     out["diagonal"] = (
-        fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, AHEAD=fk.DIAGONAL_LOAD_AHEAD),
+        fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.DIAGONAL_WARPS,
     )
     LOOP_TRIPS["diagonal"] = [-(-K // min(fk.DIAGONAL_KEY_BLOCK, bk))]

@@ -54,10 +54,7 @@ CHECK_SHAPES = [
 # Launch-setting variants of gdn2 go here (module constants of its kernel launchers, e.g.
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
-VARIANTS: list[dict] = [
-    dict(DIAGONAL_LOAD_AHEAD=True),  # the diagonal launch's loads of all four positions issued together
-    dict(INTRA_FORWARD_WARPS=4),  # no spills at 4 warps (52 B at 2), but the 16x16 products copied in every warp
-]
+VARIANTS: list[dict] = []
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 

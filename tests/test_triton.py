@@ -385,32 +385,6 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
             assert error <= 1e-5, (name, I, error, seed)
 
 
-def test_diagonal_loads_ahead_give_the_same_tiles(seed, interpreter, monkeypatch):
-    """``DIAGONAL_LOAD_AHEAD`` (every position's loads issued first) writes the same diagonal tiles
-    as the default, bit for bit, on inputs with a hard reset, a NaN in g, a non-finite k and b,
-    padded rows and a partial last block of key columns."""
-    from gdn2.torch.triton import forward
-
-    rng = np.random.default_rng(seed)
-    B, T, H, K = 1, 100, 2, 40
-    q, k = (torch.tensor(rng.standard_normal((B, T, H, K)), dtype=torch.float32) for _ in range(2))
-    g = torch.tensor(rng.uniform(-3.0, 0.0, (B, T, H, K)), dtype=torch.float32)
-    b = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, K)), dtype=torch.float32)
-    g[0, 37, 0] = -np.inf
-    g[0, 70, 1, 3] = np.nan
-    k[0, 20, 1, 7] = np.inf
-    b[0, 90, 0, 2] = np.nan
-    tiles = {}
-    for ahead in (False, True):
-        monkeypatch.setattr(forward, "DIAGONAL_LOAD_AHEAD", ahead)
-        P, A = (torch.zeros(B, H, 2, 64, 64) for _ in range(2))
-        forward.diagonal(q, k, g, b, P, A, "ieee")
-        tiles[ahead] = (P, A)
-    for default, ahead in zip(tiles[False], tiles[True]):
-        assert (default != 0).any()
-        assert torch.equal(default.nan_to_num(7.0), ahead.nan_to_num(7.0))
-
-
 @pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
                          ids=["batch-float32", "packed-bfloat16"])
 def test_intra_forward_writes_every_entry(packed, dtype, seed, interpreter):

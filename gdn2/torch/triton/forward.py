@@ -53,9 +53,6 @@ CHUNK = 64
 INTRA_FORWARD_WARPS = 2
 DIAGONAL_WARPS = 1  # one warp holds a 16x16 product without copies
 DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loop
-# The diagonal launch issues the loads of all four positions before it uses the first (as the
-# intra-forward launch does with its sub-blocks).
-DIAGONAL_LOAD_AHEAD = False
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
@@ -207,7 +204,6 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
@@ -223,26 +219,20 @@ def _diagonal_kernel(
     sequence = i_b * T * H * K + i_h * K
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
-                        first, end, H * K, K, BK, DOT, AHEAD)
+                        first, end, H * K, K, BK, DOT)
 
 
 @triton.jit
-def _position_load(q, k, g, b, first, p: tl.constexpr, end, HK, cols, col_ok):
-    """Rows ``4 G + p`` of a sub-block (position p of each group G = 0..3) as stored, [4, BK]:
-    q, k, b, g (rows past end read as 0)."""
+def _position_rows(q, k, g, b, first, p: tl.constexpr, end, HK, cols, col_ok):
+    """Rows ``4 G + p`` of a sub-block (position p of each group G = 0..3), as [4, BK] float32:
+    q, k, b * k and the decays ``exp(g)`` (k and b non-finite read as 0, g as in ``_decay``; rows
+    past end read as 0, a decay of 1)."""
     t = first + 4 * tl.arange(0, 4) + p
     rows = t[:, None] * HK + cols[None, :]
     ok = (t < end)[:, None] & col_ok[None, :]
-    return (tl.load(q + rows, mask=ok, other=0.0), tl.load(k + rows, mask=ok, other=0.0),
-            tl.load(b + rows, mask=ok, other=0.0), tl.load(g + rows, mask=ok, other=0.0))
-
-
-@triton.jit
-def _position_rows(q_raw, k_raw, b_raw, g_raw):
-    """Position rows from ``_position_load``, as float32: q, k, b * k and the decays ``exp(g)``
-    (k and b non-finite read as 0, g as in ``_decay``; rows past end: zeros and a decay of 1)."""
-    k_p = _finite(k_raw.to(tl.float32))
-    return q_raw.to(tl.float32), k_p, _finite(b_raw.to(tl.float32)) * k_p, tl.exp(_decay(g_raw.to(tl.float32)))
+    q_p = tl.load(q + rows, mask=ok, other=0.0).to(tl.float32)
+    k_p = _load_finite(k + rows, ok)
+    return q_p, k_p, _load_finite(b + rows, ok) * k_p, tl.exp(_load_decay(g + rows, ok))
 
 
 @triton.jit
@@ -261,7 +251,7 @@ def _store_group_entry(tile, p: tl.constexpr, j: tl.constexpr, values):
 
 @triton.jit
 def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.constexpr, BK: tl.constexpr,
-                        DOT: tl.constexpr, AHEAD: tl.constexpr):
+                        DOT: tl.constexpr):
     """One diagonal tile (inputs at the sequence and head, ``P_tile``, ``A_tile`` at the tile's
     first entry, ``first`` the sub-block's first token) from its rows in four groups of four.
 
@@ -292,24 +282,15 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # inside the groups, step p: E_j = exp(g_{j+1} + ... + g_p) for the positions j < p
-        stored0 = _position_load(q, k, g, b, first, 0, end, HK, cols, col_ok)
-        if AHEAD:  # every position's loads issued together, so that their latencies overlap
-            stored1 = _position_load(q, k, g, b, first, 1, end, HK, cols, col_ok)
-            stored2 = _position_load(q, k, g, b, first, 2, end, HK, cols, col_ok)
-            stored3 = _position_load(q, k, g, b, first, 3, end, HK, cols, col_ok)
-        q0, k_0, bk0, e0 = _position_rows(*stored0)
+        q0, k_0, bk0, e0 = _position_rows(q, k, g, b, first, 0, end, HK, cols, col_ok)
         P00 += tl.sum(k_0 * q0, 1)
-        if not AHEAD:
-            stored1 = _position_load(q, k, g, b, first, 1, end, HK, cols, col_ok)
-        q1, k_1, bk1, e1 = _position_rows(*stored1)
+        q1, k_1, bk1, e1 = _position_rows(q, k, g, b, first, 1, end, HK, cols, col_ok)
         E0 = e1
         kE0 = k_0 * E0
         P10 += tl.sum(kE0 * q1, 1)
         A10 += tl.sum(kE0 * bk1, 1)
         P11 += tl.sum(k_1 * q1, 1)
-        if not AHEAD:
-            stored2 = _position_load(q, k, g, b, first, 2, end, HK, cols, col_ok)
-        q2, k_2, bk2, e2 = _position_rows(*stored2)
+        q2, k_2, bk2, e2 = _position_rows(q, k, g, b, first, 2, end, HK, cols, col_ok)
         E0 = E0 * e2
         E1 = e2
         kE0 = k_0 * E0
@@ -319,9 +300,7 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
         P21 += tl.sum(kE1 * q2, 1)
         A21 += tl.sum(kE1 * bk2, 1)
         P22 += tl.sum(k_2 * q2, 1)
-        if not AHEAD:
-            stored3 = _position_load(q, k, g, b, first, 3, end, HK, cols, col_ok)
-        q3, k_3, bk3, e3 = _position_rows(*stored3)
+        q3, k_3, bk3, e3 = _position_rows(q, k, g, b, first, 3, end, HK, cols, col_ok)
         E0 = E0 * e3
         E1 = E1 * e3
         E2 = e3
@@ -456,7 +435,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
-        # (one after another, each sub-block waited for its own: 3.05 -> 2.84 ms forward)
+        # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
+        # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
         stored1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
         stored2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
@@ -649,7 +629,7 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=chunk_table is not None, AHEAD=DIAGONAL_LOAD_AHEAD, num_warps=DIAGONAL_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=DIAGONAL_WARPS, num_stages=1,
     )
 
 
