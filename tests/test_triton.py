@@ -387,7 +387,7 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
 
 @pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
                          ids=["batch-float32", "packed-bfloat16"])
-def test_intra_forward_writes_every_entry(packed, dtype, seed, interpreter):
+def test_intra_forward_writes_every_entry(packed, dtype, seed, interpreter, monkeypatch):
     """The in-chunk launches write every entry of the buffers they fill (P's tiles stored before
     the inverse, X's as each is final, the upper tiles zero), on random inputs with hard resets
     (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
@@ -429,3 +429,14 @@ def test_intra_forward_writes_every_entry(packed, dtype, seed, interpreter):
         assert (matrix[..., upper] == 0).all(), name
     diagonal = torch.eye(64).bool()
     assert (X[..., diagonal] == 1).all()  # the inverse of a unit lower triangular matrix
+    # the next key block's loads issued during this one (INTRA_FORWARD_LOAD_NEXT): the same
+    # buffers, bit for bit (K = 40 and 48: a partial last block, nothing read past it)
+    monkeypatch.setattr(forward, "INTRA_FORWARD_KEY_BLOCK", 16)
+    monkeypatch.setattr(forward, "INTRA_FORWARD_LOAD_NEXT", True)
+    again = dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X)
+    again = {name: torch.full_like(x, float("nan")) for name, x in again.items()}
+    first_bad_again = torch.full_like(first_bad, -1)
+    forward.intra_forward(q, k, v, g, b, w, *again.values(), first_bad_again, "ieee", chunk_table)
+    assert torch.equal(first_bad_again, first_bad)
+    for name, x in dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X).items():
+        assert torch.equal(again[name], x), name

@@ -56,6 +56,9 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
+# The intra-forward key loop loads the next block of key columns while it works on this one (the
+# first block's loads before the loop), instead of this block's at the top of each step.
+INTRA_FORWARD_LOAD_NEXT = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -381,7 +384,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, NEXT: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
@@ -402,14 +405,14 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT)
+        chunk, K, BK, DOT, NEXT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, NEXT: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -431,16 +434,32 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
+    if NEXT:  # the first key block's loads before the loop; each step loads the next block's
+        cols = tl.arange(0, BK)
         col_ok = cols < K
-        # every sub-block's loads issued before the first is used, so that their latencies overlap
-        # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
-        # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
         stored1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
         stored2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
         stored3 = _sub_block_load(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        if NEXT:
+            next_cols = cols + BK
+            next_ok = next_cols < K  # past the last block: nothing read
+            next0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, next_cols, next_ok)
+            next1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, next_cols, next_ok)
+            next2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, next_cols, next_ok)
+            next3 = _sub_block_load(q, k, b, g, key_base, t0, 3, end, HK, next_cols, next_ok)
+        else:
+            # every sub-block's loads issued before the first is used, so that their latencies
+            # overlap (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms
+            # forward; the order inside a sub-block matters too: with q loaded before k, ptxas
+            # scheduled it to run 3.03)
+            stored0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
+            stored1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
+            stored2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
+            stored3 = _sub_block_load(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
         q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
@@ -494,6 +513,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
         _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
         _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
+        if NEXT:
+            stored0, stored1, stored2, stored3 = next0, next1, next2, next3
 
     tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
@@ -653,7 +674,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, NEXT=INTRA_FORWARD_LOAD_NEXT, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
