@@ -360,10 +360,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["output"] = (
         fk._output_kernel,
         dict(qd=saved("qd"), P=f32, states=saved_states, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
-        dict(K=K, V=V, BK=min(64, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
+        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
-    LOOP_TRIPS["output"] = [-(-K // min(64, bk))]
+    LOOP_TRIPS["output"] = [-(-K // min(fk.OUTPUT_KEY_BLOCK, bk))]
     PROGRAMS["output"] = -(-V // min(64, max(16, triton.next_power_of_2(V)))) * chunks * heads
     bw = backward
     out["state_backward"] = (

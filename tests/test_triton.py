@@ -440,3 +440,28 @@ def test_intra_forward_writes_every_entry(packed, dtype, seed, interpreter, monk
     assert torch.equal(first_bad_again, first_bad)
     for name, x in dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X).items():
         assert torch.equal(again[name], x), name
+
+
+def test_output_key_block_of_128_matches_the_default(seed, interpreter, monkeypatch):
+    """The output launch with all 128 key columns in one step (``OUTPUT_KEY_BLOCK = 128``, a
+    variant) gives the default's output (two steps of 64) up to float32 summation order, NaN rows
+    from a chunk's first bad input on included."""
+    from gdn2.torch.triton import forward
+
+    rng = np.random.default_rng(seed)
+    B, T, H, K, V, N = 1, 100, 2, 128, 64, 2
+    qd = torch.tensor(rng.standard_normal((B, H, N * 64, K)), dtype=torch.float32)
+    P = torch.tensor(rng.standard_normal((B, H, N, 64, 64)), dtype=torch.float32)
+    states = torch.tensor(rng.standard_normal((B, H, N, K, V)), dtype=torch.float32)
+    U = torch.tensor(rng.standard_normal((B, H, N * 64, V)), dtype=torch.float32)
+    first_bad = torch.full((B, H, N, V), 64, dtype=torch.int32)
+    first_bad[0, 1, 0, 5] = 20
+    outputs = []
+    for block in (64, 128):
+        monkeypatch.setattr(forward, "OUTPUT_KEY_BLOCK", block)
+        o = torch.full((B, T, H, V), 7.0)
+        forward.output(qd, P, states, U, first_bad, o, 0.5, "ieee")
+        outputs.append(o)
+    assert torch.isnan(outputs[0][0, 20:64, 1, 5]).all() and not torch.isnan(outputs[0][0, :20, 1, 5]).any()
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-4, equal_nan=True)
+    assert not (outputs[0] == 7.0).any()

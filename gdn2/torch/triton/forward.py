@@ -62,6 +62,7 @@ INTRA_FORWARD_LOAD_NEXT = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
+OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
 
@@ -798,7 +799,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
     """Launch the output kernel (writes ``o`` ``[B, T, H, V]``)."""
     B, T, H, V = o.shape
     N, K = states.shape[2], states.shape[3]
-    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BK = min(OUTPUT_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
