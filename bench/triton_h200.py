@@ -57,6 +57,8 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     dict(INTRA_FORWARD_LOAD_NEXT=True),  # the next key block's loads during this one (spills 52 -> 172 B)
     dict(OUTPUT_KEY_BLOCK=128),  # the output's qd and S loads in one step (168 registers, 18.8% occupancy)
+    dict(WY_BLOCK=128),  # the WY products in one step each (141 registers, 18.8% occupancy)
+    dict(WY_BLOCK=128, WY_WARPS=8),  # the same at 8 warps (102 registers, 25%)
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
