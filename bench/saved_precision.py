@@ -47,6 +47,7 @@ CONFIGS = {
     "+U": DEFAULT + ("U",),
     "+P": DEFAULT + ("P",),
     "+inverse": DEFAULT + ("inverse",),
+    "+Wk,inverse": DEFAULT + ("Wk", "inverse"),
     "+Wk,Uw,U": DEFAULT + ("Wk", "Uw", "U"),
     "+Wk,Uw,U,P": DEFAULT + ("Wk", "Uw", "U", "P"),
     "+Wk,Uw,U,P,inverse": DEFAULT + ("Wk", "Uw", "U", "P", "inverse"),
@@ -129,11 +130,11 @@ def table(rows: list[dict], configs: list[str]) -> str:
             paired = [_worst_gradient(r["b"])[0] / _worst_gradient(base[r["seed"]]["b"])[0]
                       for r in mine if r["seed"] in base]
             paired_o = [r["b"]["o"] / base[r["seed"]]["b"]["o"] for r in mine if r["seed"] in base]
+            ratios = f"{statistics.median(paired):.2f} | {statistics.median(paired_o):.2f}" if paired else "- | -"
             lines.append(
                 f"| {config} | {cell([r['a']['o'] for r in mine])} | {cell([e for e, _ in worst_a], [n for _, n in worst_a])} "
                 f"| {cell([r['b']['o'] for r in mine])} | {cell([r['b']['final_state'] for r in mine])} "
-                f"| {cell([e for e, _ in worst_b], [n for _, n in worst_b])} "
-                f"| {statistics.median(paired):.2f} | {statistics.median(paired_o):.2f} |" if paired else "| - | - |")
+                f"| {cell([e for e, _ in worst_b], [n for _, n in worst_b])} | {ratios} |")
     return "\n".join(lines)
 
 
@@ -145,12 +146,15 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one draw each at a time)")
     parser.add_argument("--gpu-blocks", action="store_true", help="the launch settings as on the GPU (slower)")
     parser.add_argument("--json", help="write every row here as it arrives")
-    parser.add_argument("--table", help="only print the table of a --json file written before")
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="only print the table of --json files written before (their rows together)")
     args = parser.parse_args(argv)
     if args.table:
-        with open(args.table) as f:
-            saved = json.load(f)
-        print(table(saved["rows"], [c for c in CONFIGS if any(r["config"] == c for r in saved["rows"])]))
+        rows = []
+        for name in args.table:
+            with open(name) as f:
+                rows.extend(json.load(f)["rows"])
+        print(table(rows, [c for c in CONFIGS if any(r["config"] == c for r in rows)]))
         return
     tasks = [(shape, seed) for seed in args.seeds for shape in args.shapes]
     rows = []

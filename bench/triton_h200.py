@@ -57,6 +57,16 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     dict(DIAGONAL_LOAD_AHEAD=True),  # the diagonal launch's loads of all four positions issued together
     dict(INTRA_FORWARD_WARPS=4),  # no spills at 4 warps (52 B at 2), but the 16x16 products copied in every warp
+    # Saved buffers in bfloat16 beyond the default's (bench/saved_precision.py has their errors).
+    # Wk: no change in any error (paired, CPU); the state pass's shared memory 128.8 -> 80.8 KiB, so
+    # 2 programs per multiprocessor (spills 24 -> 168 B), the state backward's spills 80 -> 256 B.
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk")),
+    # and the inverse: no change in any error either; the values launch 128 -> 141 registers (8
+    # warps: half the occupancy).
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "inverse")),
+    # Wk, Uw and U (what the bytes are worth; o's error 1.5-1.7x the default's, above fla's): the
+    # state pass 64.8 KiB (spills 244 B).
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U")),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
