@@ -1,6 +1,6 @@
 """Which saved buffers can the Triton op keep in bfloat16? A paired precision study on the CPU.
 
-    python bench/saved_precision.py --jobs 2 --json saved_precision.json     # about 25 min on 2 cores
+    python bench/saved_precision.py --jobs 2 --json saved_precision.json     # about 30 min on 2 cores
 
 For bfloat16 inputs the op keeps the saved buffers named in ``gdn2.torch.triton.SAVED_IN_BFLOAT16``
 in bfloat16, the others in float32. This runs the kernels under the Triton interpreter
