@@ -12,7 +12,8 @@ Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
 ``--instructions`` also disassembles each cubin (the ``nvdisasm`` Triton ships next to ``ptxas``)
 and prints its static SASS instruction count by class, and per loop, with an estimate of the
 dynamic warp-instructions per program (see ``--help``). ``--variant NAME=VALUE`` sets a launch
-constant of the kernel modules first (as ``bench/triton_h200.py`` VARIANTS do).
+constant of the kernel modules first (as ``bench/triton_h200.py`` VARIANTS do), the operator's
+``SAVED_IN_BFLOAT16`` included: ``--variant 'SAVED_IN_BFLOAT16=("states","qd","kd","Wk")'``.
 """
 
 from __future__ import annotations
@@ -323,8 +324,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     fk = forward
     out["intra_forward"] = (
         fk._intra_forward_kernel,
-        dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, X_out=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32,
-             gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
+        dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), X_out=saved("inverse"), A_diagonal=f32, qd_out=saved("qd"),
+             kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, NEXT=fk.INTRA_FORWARD_LOAD_NEXT),
         fk.INTRA_FORWARD_WARPS,
     )
@@ -334,13 +335,13 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                      PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
-        dict(v=inp, w=inp, X=f32, bkd=f32, key_first_bad="i32", Wk_out=f32, Uw_out=f32, first_bad_out="i32",
-             chunk_table="i32"),
+        dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
+             first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
     LOOP_TRIPS["wy"] = [-(-K // wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
     PROGRAMS["wy"] = chunks * heads
-    diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=f32, A_out=f32, chunk_table="i32")
+    diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.DIAGONAL_WARPS,
@@ -349,8 +350,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     PROGRAMS["diagonal"] = 4 * chunks * heads
     out["state_forward"] = (
         fk._state_forward_kernel,
-        dict(Wk=f32, kd=saved("kd"), Uw=f32, gamma=f32, first_bad="i32", initial_state=f32, states=saved_states, U_out=f32,
-             final_state=f32, sequence_chunks="i32"),
+        dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,
+             states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
                  PACKED=packed, STAGES=fk.STATE_STAGES),
         fk.STATE_WARPS,
@@ -359,7 +360,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     PROGRAMS["state_forward"] = -(-V // fk.value_block(V, heads)) * heads
     out["output"] = (
         fk._output_kernel,
-        dict(qd=saved("qd"), P=f32, states=saved_states, U=f32, first_bad="i32", o=inp, chunk_table="i32"), dict(scale="fp32"),
+        dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
+        dict(scale="fp32"),
         dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
@@ -368,8 +370,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     bw = backward
     out["state_backward"] = (
         bw._state_backward_kernel,
-        dict(qd=saved("qd"), kd=saved("kd"), Wk=f32, gamma=f32, P=f32, d_o=inp, d_final=f32, d_leaving=f32, d_U=f32, d_initial=f32,
-             chunk_table="i32", sequence_chunks="i32"),
+        dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32, d_leaving=f32,
+             d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
@@ -381,14 +383,14 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                   PACKED=packed)
     out["intra_backward_contract"] = (
         bw._intra_backward_contract_kernel,
-        dict(states=saved_states, U=f32, d_o=inp, d_leaving=f32, d_U=f32, inverse=f32, d_qd=f32, d_kd=f32, d_bkd=f32,
-             d_gamma=f32, chunk_table="i32"),
+        dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=f32, d_U=f32, inverse=saved("inverse"), d_qd=f32,
+             d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
-        dict(v=inp, w=inp, Wk=f32, Uw=f32, inverse=f32, U=f32, d_o=inp, d_U=f32, d_bkd=f32,
-             d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
+        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp, d_U=f32,
+             d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]

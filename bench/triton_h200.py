@@ -59,6 +59,16 @@ VARIANTS: list[dict] = [
     dict(OUTPUT_KEY_BLOCK=128),  # the output's qd and S loads in one step (168 registers, 18.8% occupancy)
     dict(WY_BLOCK=128),  # the WY products in one step each (141 registers, 18.8% occupancy)
     dict(WY_BLOCK=128, WY_WARPS=8),  # the same at 8 warps (102 registers, 25%)
+    # Saved buffers in bfloat16 beyond the default's (bench/saved_precision.py has their errors).
+    # Wk: no change in any error (paired, CPU); the state pass's shared memory 128.8 -> 80.8 KiB, so
+    # 2 programs per multiprocessor (spills 24 -> 168 B), the state backward's spills 80 -> 256 B.
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk")),
+    # and the inverse: no change in any error either; the values launch 128 -> 141 registers (8
+    # warps: half the occupancy).
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "inverse")),
+    # Wk, Uw and U (what the bytes are worth; o's error 1.5-1.7x the default's, above fla's): the
+    # state pass 64.8 KiB (spills 244 B).
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U")),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -16,8 +16,8 @@ Matrix products run in float32 accumulation. On a GPU, the large products use TF
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The
 16x16 products that build the inverse of ``I + A`` are exact float32. Under the Triton
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
-inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (the chunk states, the decayed queries
-and keys) are kept in bfloat16.
+inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (by default the chunk states, the decayed
+queries and keys) are kept in bfloat16.
 """
 
 from __future__ import annotations
@@ -85,11 +85,13 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
 # so that torch.compile sees two opaque operators instead of breaking its graph at each launch.
 SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 # Saved buffers kept in bfloat16 when the inputs are bfloat16 (half the bytes written and read);
-# the others stay float32. Measured against the float64 spec on bfloat16 inputs (docs/triton.md):
-# the chunk states and the decayed queries and keys cost nothing visible in the errors, while U,
-# Wk and Uw in bfloat16 raised the worst gradient error from 3.8e-3 to 6.4e-3. The kernels widen
-# what they read to float32 before their products (bfloat16 operands there were built wrong by
-# Triton 3.6 for the H200). float16 inputs keep every buffer in float32 (a state entry may pass
+# the others stay float32. Any of SAVED but gamma may be named here: the kernels compute in float32,
+# round on the store and widen what they read to float32 before their products (bfloat16 operands
+# there were built wrong by Triton 3.6 for the H200). Measured against the float64 spec on
+# bfloat16 inputs, the same draws for every choice (bench/saved_precision.py, bench/RESULTS.md):
+# the chunk states, qd and kd, and also Wk and the inverse, change no error visibly; Uw or U
+# raise o's error 1.4-1.7x (the values' rounding reaches o through P U) and the final state's
+# 3-9x, P o's 1.4-1.7x. float16 inputs keep every buffer in float32 (a state entry may pass
 # float16's 65504).
 SAVED_IN_BFLOAT16 = ("states", "qd", "kd")
 

@@ -67,7 +67,7 @@ def _state_backward_kernel(
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
         qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
@@ -154,7 +154,7 @@ def _intra_backward_contract_kernel(
         d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
         d_decay += tl.sum(dS * S, 1)
     chunk_matrix = (i_bh * N + i_n) * C * C + rows[:, None] * C + rows[None, :]
-    d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix)), d_Wk, input_precision=DOT)
+    d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix).to(tl.float32)), d_Wk, input_precision=DOT)
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
     out_ok = (rows >= 0)[:, None] & k_ok[None, :]
     tl.store(d_qd + padded_k, d_q_decayed, mask=out_ok)
@@ -183,7 +183,7 @@ def _intra_backward_values_kernel(
     row_ok = t < end
     chunk_base = (i_bh * N + i_n) * C * C
     chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
-    inverse_tile = tl.load(inverse + chunk_matrix)
+    inverse_tile = tl.load(inverse + chunk_matrix).to(tl.float32)
     value_in = i_b * T * H * V + i_h * V
 
     # 1. Value side: dP = scale dO U^T, dA = -(d_wv Uw^T), dv, dw.
@@ -498,7 +498,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     N, K = inverse.shape[2], Wk.shape[-1]
     BKB, BV = _blocks(K, V)
     dv, dw = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (v, w))  # contiguous
-    d_A, d_P = inverse.new_empty(inverse.shape), inverse.new_empty(inverse.shape)
+    d_A, d_P = (inverse.new_empty(inverse.shape, dtype=torch.float32) for _ in range(2))
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,

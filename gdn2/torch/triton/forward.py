@@ -146,9 +146,9 @@ def _substitute_row(X, A, at_i):
 
 @triton.jit
 def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
-    """Store a 16x16 tile at rows 16 I, columns 16 J of a [64, 64] chunk matrix."""
+    """Store a 16x16 tile at rows 16 I, columns 16 J of a [64, 64] chunk matrix, in its dtype."""
     r = tl.arange(0, 16)
-    tl.store(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :], tile)
+    tl.store(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :], tile.to(base.dtype.element_ty))
 
 
 @triton.jit
@@ -206,7 +206,7 @@ def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
 @triton.jit
 def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    P_out, A_out,  # [B, H, N, 64, 64] float32: this launch writes their diagonal 16x16 tiles
+    P_out, A_out,  # [B, H, N, 64, 64] (A float32; P float32 or bfloat16): this launch writes their diagonal 16x16 tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
@@ -248,9 +248,10 @@ def _stack_positions(x0, x1, x2, x3, BK: tl.constexpr):
 
 @triton.jit
 def _store_group_entry(tile, p: tl.constexpr, j: tl.constexpr, values):
-    """``values[G]`` at row ``4 G + p``, column ``4 G + j`` of a diagonal tile, G = 0..3."""
+    """``values[G]`` at row ``4 G + p``, column ``4 G + j`` of a diagonal tile, G = 0..3 (in the
+    tile's dtype)."""
     G = tl.arange(0, 4)
-    tl.store(tile + (4 * G + p) * 64 + 4 * G + j, values)
+    tl.store(tile + (4 * G + p) * 64 + 4 * G + j, values.to(tile.dtype.element_ty))
 
 
 @triton.jit
@@ -351,8 +352,8 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
     far = (row_group >= 2) & (column_group <= 1)
     P = tl.where(far, P_far, tl.where(earlier, P_near, 0.0))
     A = tl.where(far, A_far, tl.where(earlier, A_near, 0.0))
-    tl.store(P_tile + entries, P, mask=~inside_P)
-    tl.store(A_tile + entries, A, mask=~inside_A)
+    tl.store(P_tile + entries, P.to(P_tile.dtype.element_ty), mask=~inside_P)
+    tl.store(A_tile + entries, A.to(A_tile.dtype.element_ty), mask=~inside_A)
     _store_group_entry(P_tile, 0, 0, P00)
     _store_group_entry(P_tile, 1, 0, P10)
     _store_group_entry(P_tile, 1, 1, P11)
@@ -374,13 +375,14 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
 @triton.jit
 def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
     r = tl.arange(0, 16)
-    return tl.load(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :])
+    return tl.load(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :]).to(tl.float32)
 
 
 @triton.jit
 def _intra_forward_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    P_out, X_out,  # [B, H, N, 64, 64] float32
+    P_out, X_out,  # [B, H, N, 64, 64], float32 or bfloat16 (the saved dtypes)
+    A_diagonal,  # [B, H, N, 64, 64] float32: A's diagonal tiles from _diagonal_kernel (X_out itself when float32)
     qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
@@ -408,7 +410,7 @@ def _intra_forward_kernel(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT, NEXT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_inverse(X_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -522,14 +524,15 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
 
 @triton.jit
-def _store_inverse(matrix, A10, A20, A21, A30, A31, A32):
-    """``X = (I + A)^{-1}`` of one chunk, stored over A at ``matrix``: the diagonal tiles by forward
-    substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, in X's own buffer;
-    each is read here before X's is written), the others by the blocked formula
-    ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``; each tile stored as soon as it is final, X's
-    upper tiles zero."""
+def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
+    """``X = (I + A)^{-1}`` of one chunk, stored at ``matrix`` in its dtype: the diagonal tiles by
+    forward substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, float32 at
+    ``A_diagonal``: X's own buffer when X is float32, each read here before X's is written), the
+    others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, all in float32;
+    each tile stored as soon as it is final, X's upper tiles zero."""
     X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-        _load_tile(matrix, 0, 0), _load_tile(matrix, 1, 1), _load_tile(matrix, 2, 2), _load_tile(matrix, 3, 3))
+        _load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
+        _load_tile(A_diagonal, 3, 3))
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 0, 1, zero)
@@ -603,7 +606,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 @triton.jit
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
-    X,  # [B, H, N, 64, 64] float32, from _intra_forward_kernel
+    X,  # [B, H, N, 64, 64] float32 or bfloat16, from _intra_forward_kernel
     bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
@@ -625,7 +628,7 @@ def _wy_kernel(
     first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     t = first + rows
     row_ok = t < end
-    X_tile = tl.load(X + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+    X_tile = tl.load(X + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
     chunk_rows = (i_bh * N + i_n) * 64
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
@@ -643,9 +646,9 @@ def _wy_kernel(
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
-    """Launch ``_diagonal_kernel``: the diagonal 16x16 tiles of ``P``
-    and ``A`` (``[B, H, N, 64, 64]`` float32; ``A``'s are written into X's buffer by
-    ``intra_forward``), nothing else of either."""
+    """Launch ``_diagonal_kernel``: the diagonal 16x16 tiles of ``P`` and ``A`` (``[B, H, N, 64,
+    64]``; A float32, P float32 or bfloat16; ``intra_forward`` has ``A``'s written into X's buffer
+    when X is float32), nothing else of either."""
     B, T, H, K = q.shape
     N = P.shape[2]
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
@@ -660,20 +663,25 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
     ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
-    the first row with a non-finite input; 64 when there is none). With packed sequences,
-    ``chunk_table`` (``[chunks, 2]`` int32: first token, length) lists the chunks, B is 1 and N
-    the table's length."""
+    the first row with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X
+    may be bfloat16 (``SAVED_IN_BFLOAT16``): the kernels compute in float32 and round on the
+    store. With packed sequences, ``chunk_table`` (``[chunks, 2]`` int32: first token, length)
+    lists the chunks, B is 1 and N the table's length."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = P.shape[2]
     table, packed = _table(chunk_table, P), chunk_table is not None
-    diagonal(q, k, g, b, P, X, dot_precision, chunk_table)
+    # A's diagonal tiles go into X's own buffer when it is float32 (X is formed over them), else
+    # into a float32 scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy
+    # the rounding of X alone does not).
+    A_diagonal = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
+    diagonal(q, k, g, b, P, A_diagonal, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
-        q, k, g, b, P, X, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
+        q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, NEXT=INTRA_FORWARD_LOAD_NEXT, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
@@ -776,7 +784,7 @@ def _output_kernel(
     row0 = i_bh * N * 64 + i_n * 64
     # Products in float32 (TF32) whatever the saved dtype, as in the state pass.
     U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0).to(tl.float32)
-    P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
+    P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
     out = tl.dot(P_tile, U_tile, input_precision=DOT)
     state_base = (i_bh * N + i_n) * K * V
     for k0 in range(0, K, BK):
