@@ -168,6 +168,15 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_
 
 
 @triton.jit
+def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
+    """``_sub_block_load`` of all four sub-blocks, issued together so that their latencies overlap."""
+    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok))
+
+
+@triton.jit
 def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad_rows):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
@@ -440,29 +449,20 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     if NEXT:  # the first key block's loads before the loop; each step loads the next block's
         cols = tl.arange(0, BK)
         col_ok = cols < K
-        stored0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
-        stored1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
-        stored2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
-        stored3 = _sub_block_load(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
+        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         if NEXT:
             next_cols = cols + BK
             next_ok = next_cols < K  # past the last block: nothing read
-            next0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, next_cols, next_ok)
-            next1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, next_cols, next_ok)
-            next2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, next_cols, next_ok)
-            next3 = _sub_block_load(q, k, b, g, key_base, t0, 3, end, HK, next_cols, next_ok)
+            next0, next1, next2, next3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, next_cols, next_ok)
         else:
             # every sub-block's loads issued before the first is used, so that their latencies
             # overlap (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms
             # forward; the order inside a sub-block matters too: with q loaded before k, ptxas
             # scheduled it to run 3.03)
-            stored0 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
-            stored1 = _sub_block_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
-            stored2 = _sub_block_load(q, k, b, g, key_base, t0, 2, end, HK, cols, col_ok)
-            stored3 = _sub_block_load(q, k, b, g, key_base, t0, 3, end, HK, cols, col_ok)
+            stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
         q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
@@ -524,6 +524,12 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
 
 @triton.jit
+def _ieee(a, b):
+    """An exact float32 product ("tf32x3", three tensor-core passes, measured slower on the H200)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
 def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     """``X = (I + A)^{-1}`` of one chunk, stored at ``matrix`` in its dtype: the diagonal tiles by
     forward substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, float32 at
@@ -544,21 +550,17 @@ def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     _store_tile(matrix, 2, 2, X22)
     _store_tile(matrix, 2, 3, zero)
     _store_tile(matrix, 3, 3, X33)
-    # Exact float32 products ("ieee"): "tf32x3" (three tensor-core passes) measured slower on the H200.
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
+    X10 = -_ieee(X11, _ieee(A10, X00))
     _store_tile(matrix, 1, 0, X10)
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
+    X21 = -_ieee(X22, _ieee(A21, X11))
     _store_tile(matrix, 2, 1, X21)
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
+    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
     _store_tile(matrix, 2, 0, X20)
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
+    X32 = -_ieee(X33, _ieee(A32, X22))
     _store_tile(matrix, 3, 2, X32)
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
+    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
     _store_tile(matrix, 3, 1, X31)
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
     _store_tile(matrix, 3, 0, X30)
 
 
