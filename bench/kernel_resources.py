@@ -161,27 +161,28 @@ def count_classes(opcodes) -> Counter:
     return Counter(instruction_class(op) for op in opcodes)
 
 
-def dynamic_estimate(parsed: Sass, trips: list[float]) -> float:
-    """Warp-instructions issued per warp: each instruction once per trip of every loop around it
+def _weights(parsed: Sass, trips: list[float]) -> list[float]:
+    """How many times each instruction issues per warp: once per trip of every loop around it
     (``trips[i]`` for ``parsed.loops[i]``; a loop without one counts once)."""
-    total = 0.0
+    weights = []
     for index in range(len(parsed.opcodes)):
         weight = 1.0
         for number, (first, last) in enumerate(parsed.loops):
             if first <= index <= last:
                 weight *= trips[number] if number < len(trips) else 1.0
-        total += weight
-    return total
+        weights.append(weight)
+    return weights
+
+
+def dynamic_estimate(parsed: Sass, trips: list[float]) -> float:
+    """Warp-instructions issued per warp (``_weights`` summed)."""
+    return sum(_weights(parsed, trips))
 
 
 def dynamic_classes(parsed: Sass, trips: list[float]) -> Counter:
     """As ``dynamic_estimate``, by class."""
     out = Counter()
-    for index, opcode in enumerate(parsed.opcodes):
-        weight = 1.0
-        for number, (first, last) in enumerate(parsed.loops):
-            if first <= index <= last:
-                weight *= trips[number] if number < len(trips) else 1.0
+    for opcode, weight in zip(parsed.opcodes, _weights(parsed, trips)):
         out[instruction_class(opcode)] += weight
     return out
 
@@ -329,7 +330,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, NEXT=fk.INTRA_FORWARD_LOAD_NEXT),
         fk.INTRA_FORWARD_WARPS,
     )
-    LOOP_TRIPS["intra_forward"] = [-(-K // min(fk.INTRA_FORWARD_KEY_BLOCK, bk)), 15]  # key blocks; the inverse's rows
+    LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk)), 15]  # key blocks; the inverse's rows
     PROGRAMS["intra_forward"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed)
@@ -339,14 +340,14 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
-    LOOP_TRIPS["wy"] = [-(-K // wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
+    LOOP_TRIPS["wy"] = [key_blocks_of(wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
     PROGRAMS["wy"] = chunks * heads
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.DIAGONAL_WARPS,
     )
-    LOOP_TRIPS["diagonal"] = [-(-K // min(fk.DIAGONAL_KEY_BLOCK, bk))]
+    LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]
     PROGRAMS["diagonal"] = 4 * chunks * heads
     out["state_forward"] = (
         fk._state_forward_kernel,
@@ -365,7 +366,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
         fk.OUTPUT_WARPS,
     )
-    LOOP_TRIPS["output"] = [-(-K // min(fk.OUTPUT_KEY_BLOCK, bk))]
+    LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
     PROGRAMS["output"] = -(-V // min(64, max(16, triton.next_power_of_2(V)))) * chunks * heads
     bw = backward
     out["state_backward"] = (
@@ -394,7 +395,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]
-    LOOP_TRIPS["intra_backward_values"] = [-(-V // blocks["BV"]), -(-K // blocks["BKB"])]
+    LOOP_TRIPS["intra_backward_values"] = [-(-V // blocks["BV"]), key_blocks_of(blocks["BKB"])]
     PROGRAMS["intra_backward_contract"] = chunks * heads * key_blocks_of(blocks["BKB"])
     PROGRAMS["intra_backward_values"] = chunks * heads
     out["intra_backward_keys"] = (
