@@ -71,13 +71,12 @@ def _task(shape_index: int, seed: int, configs: list[str], gpu_blocks: bool) -> 
     import gdn2.torch.triton as operator
     from gdn2.testing import make_case, rounded_case, run_torch
     from gdn2.spec import relative_error
-    from gdn2.torch.triton import backward, forward
+    from kernel_resources import set_launch  # bench/, next to this script
 
     warnings.simplefilter("error", RuntimeWarning)  # a kernel giving way to the chunk path is an error here
     torch.set_num_threads(1)
     if not gpu_blocks:
-        for name, value in FAST_BLOCKS.items():
-            setattr(forward if hasattr(forward, name) else backward, name, value)
+        set_launch(FAST_BLOCKS)
     B, T, H, K, V, decay = SHAPES[shape_index]
     case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
     rounded = rounded_case(case, lambda x: torch.tensor(x).to(torch.bfloat16).double().numpy())
