@@ -448,10 +448,11 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
     buffers = [torch.full(shape, float("nan"), dtype=dtype)  # every entry must be written
                for shape, dtype in zip(kernel._saved_shapes(B, N, H, K, V), kernel._saved_dtypes(q.dtype))]
     qd, kd, gamma, Wk, Uw, P, X, _, _ = buffers
+    filled = dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X)  # in intra_forward's order
     first_bad = torch.full((B, H, N, V), -1, dtype=torch.int32)
-    forward.intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, "ieee", chunk_table)
+    forward.intra_forward(q, k, v, g, b, w, *filled.values(), first_bad, "ieee", chunk_table)
     assert (first_bad < 64).any() and (first_bad == 64).any() and (first_bad >= 0).all()
-    for name, buffer in dict(qd=qd, kd=kd, gamma=gamma, Wk=Wk, Uw=Uw, P=P, X=X).items():
+    for name, buffer in filled.items():
         assert torch.isfinite(buffer.double()).all(), name
     upper = torch.ones(64, 64).triu(1).bool() & ~torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
     for name, matrix in (("P", P), ("X", X)):
@@ -462,12 +463,11 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
     # buffers, bit for bit (K = 40 and 48: a partial last block, nothing read past it)
     monkeypatch.setattr(forward, "INTRA_FORWARD_KEY_BLOCK", 16)
     monkeypatch.setattr(forward, "INTRA_FORWARD_LOAD_NEXT", True)
-    again = dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X)
-    again = {name: torch.full_like(x, float("nan")) for name, x in again.items()}
+    again = {name: torch.full_like(x, float("nan")) for name, x in filled.items()}
     first_bad_again = torch.full_like(first_bad, -1)
     forward.intra_forward(q, k, v, g, b, w, *again.values(), first_bad_again, "ieee", chunk_table)
     assert torch.equal(first_bad_again, first_bad)
-    for name, x in dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X).items():
+    for name, x in filled.items():
         assert torch.equal(again[name], x), name
 
 
