@@ -327,7 +327,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), X_out=saved("inverse"), A_diagonal=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, NEXT=fk.INTRA_FORWARD_LOAD_NEXT),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk)), 15]  # key blocks; the inverse's rows
@@ -354,7 +354,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
-                 PACKED=packed, STAGES=fk.STATE_STAGES),
+                 PACKED=packed, STAGES=fk.STATE_STAGES,
+                 SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("Wk") == saved("kd") == "bf16"),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]
@@ -363,7 +364,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._output_kernel,
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed),
+        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed,
+             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
         fk.OUTPUT_WARPS,
     )
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]

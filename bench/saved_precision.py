@@ -39,18 +39,16 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-DEFAULT = ("states", "qd", "kd")
+DEFAULT = ("states", "qd", "kd", "Wk")
 CONFIGS = {
     "default": DEFAULT,
-    "+Wk": DEFAULT + ("Wk",),
+    "Wk in float32": ("states", "qd", "kd"),
     "+Uw": DEFAULT + ("Uw",),
     "+U": DEFAULT + ("U",),
+    "+Uw,U": DEFAULT + ("Uw", "U"),
     "+P": DEFAULT + ("P",),
     "+inverse": DEFAULT + ("inverse",),
-    "+Wk,inverse": DEFAULT + ("Wk", "inverse"),
-    "+Wk,Uw,U": DEFAULT + ("Wk", "Uw", "U"),
-    "+Wk,Uw,U,P": DEFAULT + ("Wk", "Uw", "U", "P"),
-    "+Wk,Uw,U,P,inverse": DEFAULT + ("Wk", "Uw", "U", "P", "inverse"),
+    "+Uw,U,P,inverse": DEFAULT + ("Uw", "U", "P", "inverse"),
 }
 # (B, T, H, K, V, log decay range); the third is the shape of tests/test_triton.py's
 # test_kernel_bfloat16_saved_buffers_widest (not run unless asked for: --shapes 2).

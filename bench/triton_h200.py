@@ -55,20 +55,16 @@ CHECK_SHAPES = [
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
-    dict(INTRA_FORWARD_LOAD_NEXT=True),  # the next key block's loads during this one (spills 52 -> 172 B)
-    dict(OUTPUT_KEY_BLOCK=128),  # the output's qd and S loads in one step (168 registers, 18.8% occupancy)
-    dict(WY_BLOCK=128),  # the WY products in one step each (141 registers, 18.8% occupancy)
-    dict(WY_BLOCK=128, WY_WARPS=8),  # the same at 8 warps (102 registers, 25%)
     # Saved buffers in bfloat16 beyond the default's (bench/saved_precision.py has their errors).
-    # Wk: no change in any error (paired, CPU); the state pass's shared memory 128.8 -> 80.8 KiB, so
-    # 2 programs per multiprocessor (spills 24 -> 168 B), the state backward's spills 80 -> 256 B.
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk")),
-    # and the inverse: no change in any error either; the values launch 128 -> 141 registers (8
-    # warps: half the occupancy).
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "inverse")),
-    # Wk, Uw and U (what the bytes are worth; o's error 1.5-1.7x the default's, above fla's): the
-    # state pass 64.8 KiB (spills 244 B).
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw")),
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U")),
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U")),
+    # bfloat16 tensor-core products where both operands are bfloat16 as saved (the state pass's
+    # state and U split into two bfloat16 parts each): fewer shared-memory moves (the output's
+    # loop 212 -> 67 instructions, 90 registers; the state pass 112.8 KiB of shared memory)
+    dict(OUTPUT_BFLOAT16_PRODUCT=True),
+    dict(STATE_BFLOAT16_PRODUCTS=True),
+    dict(STATE_BFLOAT16_PRODUCTS=True, OUTPUT_BFLOAT16_PRODUCT=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
@@ -210,7 +206,9 @@ def main():
     parser.add_argument("--fla-shapes", default="0,1,2", help="timing shapes at which flash-linear-attention runs")
     parser.add_argument("--check-fla", action="store_true", help="also check flash-linear-attention's errors")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--variants", action="store_true", help="time and check gdn2 launch-setting variants")
+    parser.add_argument("--variants", nargs="?", const="all", default=None, metavar="INDICES",
+                        help="time and check gdn2 launch-setting variants: all, or these indices into VARIANTS "
+                             "(comma separated: one process per risky variant keeps a crash from ending the run)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--shapes", default="0,1,2", help="indices into the timing shapes")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
@@ -286,7 +284,8 @@ def main():
 
     if args.variants:
         result["variants"] = []
-        for variant in VARIANTS:
+        chosen = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
+        for variant in chosen:
             previous = set_launch(variant)
             try:
                 timing = time_one(gdn2_kernel, TIMING_SHAPES[0], strict=True)

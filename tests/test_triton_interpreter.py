@@ -1,4 +1,5 @@
-"""The correction gdn2 applies to Triton's CPU interpreter: ``tl.dot`` of bfloat16 tiles by value."""
+"""The corrections gdn2 applies to Triton's CPU interpreter: ``tl.dot`` of bfloat16 tiles by value,
+float32 to bfloat16 rounded to nearest even (both as on the GPU)."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from gdn2.torch.triton.interpreter import correct_bfloat16_dot  # noqa: E402
+from gdn2.torch.triton.interpreter import correct_bfloat16  # noqa: E402
 
 
 @triton.jit
@@ -23,8 +24,8 @@ def _product_kernel(a, b, out, TRANSPOSE_A: tl.constexpr):
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("b_dtype", [torch.bfloat16, torch.float32])
 def test_bfloat16_products_by_value(transpose, b_dtype):
-    correct_bfloat16_dot()
-    correct_bfloat16_dot()  # a second call changes nothing
+    correct_bfloat16()
+    correct_bfloat16()  # a second call changes nothing
     generator = torch.Generator().manual_seed(3)
     a = torch.randn(32, 32, generator=generator).to(torch.bfloat16)
     b = torch.randn(32, 32, generator=generator).to(torch.bfloat16)
@@ -34,3 +35,32 @@ def test_bfloat16_products_by_value(transpose, b_dtype):
     _product_kernel[(1,)](a, b, out, TRANSPOSE_A=transpose)
     expected = (a.double().T if transpose else a.double()) @ b.double()
     np.testing.assert_allclose(out.double().numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@triton.jit
+def _round_kernel(x, stored, cast, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    values = tl.load(x + i, mask=i < n)
+    tl.store(stored + i, values, mask=i < n)  # converted by the store (bfloat16 buffer)
+    tl.store(cast + i, values.to(tl.bfloat16), mask=i < n)
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_even():
+    """A store of float32 values into a bfloat16 buffer and ``.to(tl.bfloat16)`` round as torch
+    (and the GPU) does: nearest, ties to even, carries into the exponent, overflow to inf, signed
+    zeros, subnormals, infinities and NaN; uncorrected, the interpreter truncates."""
+    correct_bfloat16()
+    generator = torch.Generator().manual_seed(5)
+    special = torch.tensor([
+        1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8),  # ties: to even (down, up)
+        1.0 + 2.0 ** -8 + 2.0 ** -20,  # just above a tie: up
+        1.9999999, 3.4e38, -3.4e38,  # carries into the exponent; overflow to +-inf
+        0.0, -0.0, 1e-40, -3e-39, float("inf"), -float("inf"), float("nan")], dtype=torch.float32)
+    x = torch.cat([special, torch.randn(1000, generator=generator) * 10.0 ** torch.randint(-30, 30, (1000,), generator=generator)])
+    n = x.numel()
+    stored, cast = (torch.empty(n, dtype=torch.bfloat16) for _ in range(2))
+    _round_kernel[(1,)](x, stored, cast, n, BLOCK=triton.next_power_of_2(n))
+    expected = x.to(torch.bfloat16)
+    for got in (stored, cast):
+        assert torch.equal(got.view(torch.int16)[~x.isnan()], expected.view(torch.int16)[~x.isnan()])
+        assert got[x.isnan()].isnan().all()

@@ -17,7 +17,7 @@ Matrix products run in float32 accumulation. On a GPU, the large products use TF
 16x16 products that build the inverse of ``I + A`` are exact float32. Under the Triton
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
 inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (by default the chunk states, the decayed
-queries and keys) are kept in bfloat16.
+queries and keys and Wk) are kept in bfloat16.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from triton.errors import TritonError
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from ...packing import SequenceOffsets
 from .forward import CHUNK, intra_forward, output, state_forward
-from .interpreter import correct_bfloat16_dot
+from .interpreter import correct_bfloat16
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
 # or registers (OutOfResources), ptxas (PTXASError) and the interpreter (InterpreterError); a CUDA
@@ -44,6 +44,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if _interpreting():  # the layer's kernels (conv, norm, gates) run as the GPU would, too
+    correct_bfloat16()
 
 
 def _dot_precision(device: torch.device) -> str:
@@ -93,7 +97,7 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 # raise o's error 1.4-1.7x (the values' rounding reaches o through P U) and the final state's
 # 3-9x, P o's 1.4-1.7x. float16 inputs keep every buffer in float32 (a state entry may pass
 # float16's 65504).
-SAVED_IN_BFLOAT16 = ("states", "qd", "kd")
+SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk")
 
 
 def _saved_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
@@ -133,7 +137,7 @@ def _forward(
     N, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     precision = _dot_precision(q.device)
     if q.device.type == "cpu":
-        correct_bfloat16_dot()
+        correct_bfloat16()
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
         torch.empty(shape, dtype=dtype, device=q.device)
         for shape, dtype in zip(_saved_shapes(B, N, H, K, V), _saved_dtypes(q.dtype))
@@ -174,7 +178,7 @@ def _backward(
     V = v.shape[-1]
     precision = _dot_precision(q.device)
     if q.device.type == "cpu":
-        correct_bfloat16_dot()
+        correct_bfloat16()
     d_o = d_o.contiguous()
     d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
     d_leaving = torch.empty(states.shape, dtype=torch.float32, device=q.device)

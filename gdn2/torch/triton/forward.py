@@ -56,13 +56,15 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# The intra-forward key loop loads the next block of key columns while it works on this one (the
-# first block's loads before the loop), instead of this block's at the top of each step.
-INTRA_FORWARD_LOAD_NEXT = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
+# Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
+# state and U split into two bfloat16 parts each (Wk and kd bfloat16), the output's qd S (both
+# bfloat16). Off: every product widened to float32 (TF32).
+STATE_BFLOAT16_PRODUCTS = False
+OUTPUT_BFLOAT16_PRODUCT = False
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 
 
@@ -396,7 +398,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, NEXT: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
@@ -417,14 +419,14 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, NEXT)
+        chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, NEXT: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -446,23 +448,13 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
-    if NEXT:  # the first key block's loads before the loop; each step loads the next block's
-        cols = tl.arange(0, BK)
-        col_ok = cols < K
-        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
-        if NEXT:
-            next_cols = cols + BK
-            next_ok = next_cols < K  # past the last block: nothing read
-            next0, next1, next2, next3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, next_cols, next_ok)
-        else:
-            # every sub-block's loads issued before the first is used, so that their latencies
-            # overlap (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms
-            # forward; the order inside a sub-block matters too: with q loaded before k, ptxas
-            # scheduled it to run 3.03)
-            stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
+        # every sub-block's loads issued before the first is used, so that their latencies overlap
+        # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
+        # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
+        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
         q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
@@ -516,8 +508,6 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
         _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
         _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
-        if NEXT:
-            stored0, stored1, stored2, stored3 = next0, next1, next2, next3
 
     tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
@@ -685,7 +675,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, NEXT=INTRA_FORWARD_LOAD_NEXT, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
@@ -701,7 +691,7 @@ def _state_forward_kernel(
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -724,16 +714,35 @@ def _state_forward_kernel(
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
-        # Products in float32 (TF32) whatever the saved dtype: with bfloat16 operands, Triton 3.6
-        # built this loop wrong for the H200 (non-finite states, illegal memory accesses).
-        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        U -= tl.dot(Wk_tile, state, input_precision=DOT)
-        U = U.to(U_out.dtype.element_ty)
-        tl.store(U_out + values, U, mask=v_ok[None, :])
-        state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(tl.float32), input_precision=DOT)
+        if SPLIT:
+            # Wk and kd as stored (bfloat16), the state and U each as the sum of two bfloat16
+            # parts: bfloat16 tensor-core products, exact, of a state within 2^-16 of its float32
+            # value (TF32 rounds it to 2^-11).
+            Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
+            kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
+            state_high = state.to(tl.bfloat16)
+            state_low = (state - state_high.to(tl.float32)).to(tl.bfloat16)
+            U -= tl.dot(Wk_tile, state_low, tl.dot(Wk_tile, state_high))
+            U = U.to(U_out.dtype.element_ty)
+            tl.store(U_out + values, U, mask=v_ok[None, :])
+            U = U.to(tl.float32)
+            U_high = U.to(tl.bfloat16)
+            kd_rows = tl.trans(kd_tile)
+            state = tl.dot(kd_rows, U_high, state * decay[:, None])
+            if U_out.dtype.element_ty != tl.bfloat16:  # else U is its high part
+                state = tl.dot(kd_rows, (U - U_high.to(tl.float32)).to(tl.bfloat16), state)
+        else:
+            # Products in float32 (TF32): with bfloat16 operands widened only where they meet
+            # float32 ones (Triton 3.6 built a form of this loop with bfloat16 operands wrong for
+            # the H200: non-finite states, illegal memory accesses).
+            Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            U -= tl.dot(Wk_tile, state, input_precision=DOT)
+            U = U.to(U_out.dtype.element_ty)
+            tl.store(U_out + values, U, mask=v_ok[None, :])
+            state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(tl.float32), input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
         poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
@@ -765,7 +774,8 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         states, U, final_state if final_state is not None else states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
+        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
     )
 
 
@@ -773,7 +783,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
 def _output_kernel(
     qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -794,7 +804,10 @@ def _output_kernel(
         k_ok = cols_k < K
         qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
         S = tl.load(states + state_base + cols_k[:, None] * V + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        out += tl.dot(qd_tile.to(tl.float32), S.to(tl.float32), input_precision=DOT)
+        if BFLOAT16_PRODUCT:  # both bfloat16 as stored: their tensor-core product is exact as it is
+            out = tl.dot(qd_tile, S, out)
+        else:
+            out += tl.dot(qd_tile.to(tl.float32), S.to(tl.float32), input_precision=DOT)
     # From a chunk's first bad input on (per value column), the outputs are NaN, as on the
     # reference path; the rows before it are the clean run's.
     poisoned_from = tl.load(first_bad + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=64)
@@ -813,7 +826,9 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
     BV = min(64, max(16, triton.next_power_of_2(V)))
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
-        BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=OUTPUT_WARPS, num_stages=1,
+        BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
+        BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
+        num_warps=OUTPUT_WARPS, num_stages=1,
     )
 
 
