@@ -377,7 +377,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("qd") == saved("kd") == saved("Wk") == inp == "bf16"),
+             SPLIT=bw.STATE_BACKWARD_BFLOAT16_PRODUCTS and saved("qd") == saved("kd") == saved("Wk") == inp == "bf16"),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

@@ -120,7 +120,7 @@ def test_kernel_bfloat16_saved_buffers_widest(seed, interpreter, monkeypatch):
 
 
 BFLOAT16_PRODUCTS = (("forward", "STATE_BFLOAT16_PRODUCTS"), ("forward", "OUTPUT_BFLOAT16_PRODUCT"),
-                     ("backward", "CONTRACT_BFLOAT16_PRODUCTS"))
+                     ("backward", "STATE_BACKWARD_BFLOAT16_PRODUCTS"), ("backward", "CONTRACT_BFLOAT16_PRODUCTS"))
 
 
 def _bfloat16_products(monkeypatch, on: bool) -> None:

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import forward
 from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _split_dot, _split_dot_left, _table, value_block
 
 
@@ -110,7 +109,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None,
-        SPLIT=forward.STATE_BFLOAT16_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
+        SPLIT=STATE_BACKWARD_BFLOAT16_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
         num_warps=STATE_WARPS, num_stages=1,
     )
 
@@ -122,8 +121,11 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64 was slower)
-# The contractions' products with the states on bfloat16 operands where the states and dO are
-# bfloat16 (dU split, ``forward._split_dot``); off: widened to float32 (TF32).
+# Products on bfloat16 operands (``forward._split_dot``; off: widened to float32, TF32): the
+# state backward's with the state's and U's gradients split (qd, kd, Wk and dO bfloat16; Triton
+# 3.6 built it to an illegal memory access on the H200 at B=2 T=300 H=2 K=V=128), and the
+# contractions' with the states (the states and dO bfloat16, dU split).
+STATE_BACKWARD_BFLOAT16_PRODUCTS = False
 CONTRACT_BFLOAT16_PRODUCTS = False
 
 

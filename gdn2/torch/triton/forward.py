@@ -60,10 +60,9 @@ STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
-# Products on bfloat16 operands where the saved buffers are bfloat16: the state passes' with the
-# state, U and their gradients split into two bfloat16 parts each (``_split_dot``; Wk, kd and qd
-# bfloat16), the output's qd S (both bfloat16, exact as they are). Off: every product widened to
-# float32 (TF32).
+# Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
+# state and U split into two bfloat16 parts each (``_split_dot``; Wk and kd bfloat16), the
+# output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
