@@ -376,8 +376,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32, d_leaving=f32,
              d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             SPLIT=bw.STATE_BACKWARD_BFLOAT16_PRODUCTS and saved("qd") == saved("kd") == saved("Wk") == inp == "bf16"),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]
@@ -389,8 +388,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         bw._intra_backward_contract_kernel,
         dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=f32, d_U=f32, inverse=saved("inverse"), d_qd=f32,
              d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
-        dict(scale="fp32"), dict(blocks, SPLIT=bw.CONTRACT_BFLOAT16_PRODUCTS and saved_states == inp == "bf16"),
-        bw.INTRA_BACKWARD_WARPS,
+        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,

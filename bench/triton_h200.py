@@ -55,14 +55,8 @@ CHECK_SHAPES = [
 # ``dict(STATE_WARPS=8)``), timed at the first timing shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
-    # the state passes' products widened to float32 (TF32), the output's too: the form before
+    # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # Risky (a Triton 3.6 build may fault: run each in its own process, --variants INDEX):
-    # the state backward's products on bfloat16 operands (illegal memory access at the check shapes)
-    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=True),
-    # the contractions' products with the states on bfloat16 operands (dU split): 112 registers,
-    # more instructions (0.222 -> 0.319 G per launch) but no float32 copy of the states
-    dict(CONTRACT_BFLOAT16_PRODUCTS=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

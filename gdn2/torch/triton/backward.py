@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _split_dot, _split_dot_left, _table, value_block
+from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, value_block
 
 
 @triton.jit
@@ -38,7 +38,6 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -64,31 +63,21 @@ def _state_backward_kernel(
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
         t = first + rows
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_raw = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
-        d_out = d_raw.to(tl.float32) * scale
+        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
+        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-        if SPLIT:  # kd, qd, Wk and dO as stored (bfloat16); the state's and U's gradients split
-            kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-            dU = _split_dot(kd_tile, d_state, tl.dot(tl.trans(P_tile), d_out, input_precision=DOT))
-            tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-            qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
-            Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
-            d_state = d_state * decay[:, None] + tl.dot(tl.trans(qd_tile), d_raw) * scale
-            d_state -= _split_dot(tl.trans(Wk_tile), dU, tl.zeros((BK, BV), dtype=tl.float32))
-        else:
-            kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
-            tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-            qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            d_state = (
-                d_state * decay[:, None]
-                + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
-                - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
-            )
+        d_state = (
+            d_state * decay[:, None]
+            + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
+            - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
+        )
     if STORE_INITIAL:
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
@@ -108,9 +97,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None,
-        SPLIT=STATE_BACKWARD_BFLOAT16_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
-        num_warps=STATE_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1,
     )
 
 
@@ -121,12 +108,6 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64 was slower)
-# Products on bfloat16 operands (``forward._split_dot``; off: widened to float32, TF32): the
-# state backward's with the state's and U's gradients split (qd, kd, Wk and dO bfloat16; Triton
-# 3.6 built it to an illegal memory access on the H200 at B=2 T=300 H=2 K=V=128), and the
-# contractions' with the states (the states and dO bfloat16, dU split).
-STATE_BACKWARD_BFLOAT16_PRODUCTS = False
-CONTRACT_BFLOAT16_PRODUCTS = False
 
 
 @triton.jit
@@ -135,7 +116,6 @@ def _intra_backward_contract_kernel(
     d_qd, d_kd, d_bkd, d_gamma,  # outputs: [B, H, N * C, K] x3, [B, H, N, K] float32
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     """The state-sized contractions for one block of key columns: the gradients of the decayed
     queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
@@ -162,24 +142,17 @@ def _intra_backward_contract_kernel(
         v_ok = cols_v < V
         state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
         state_mask = k_ok[:, None] & v_ok[None, :]
-        S_raw = tl.load(states + state_offsets, mask=state_mask, other=0.0)
-        S = S_raw.to(tl.float32)
+        S = tl.load(states + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
         dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
         U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
-        d_raw = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0)
-        if SPLIT:  # the states and dO as stored (bfloat16), dU split (scale applied at the end)
-            d_q_decayed = tl.dot(d_raw, tl.trans(S_raw), d_q_decayed)
-            d_Wk -= _split_dot_left(dU_tile, tl.trans(S_raw), tl.zeros((C, BKB), dtype=tl.float32))
-        else:
-            d_q_decayed += tl.dot(d_raw.to(tl.float32) * scale, tl.trans(S), input_precision=DOT)
-            d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
+        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
         d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
+        d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
         d_decay += tl.sum(dS * S, 1)
-    if SPLIT:
-        d_q_decayed *= scale
     chunk_matrix = (i_bh * N + i_n) * C * C + rows[:, None] * C + rows[None, :]
     d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix).to(tl.float32)), d_Wk, input_precision=DOT)
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
@@ -513,7 +486,6 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        SPLIT=CONTRACT_BFLOAT16_PRODUCTS and states.dtype == d_o.dtype == torch.bfloat16,
         num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return d_qd, d_kd, d_bkd, d_gamma

@@ -131,13 +131,6 @@ def _split_dot(a, b, acc):
 
 
 @triton.jit
-def _split_dot_left(a, b, acc):
-    """``acc + a b`` for float32 ``a`` and bfloat16 ``b`` (``_split_dot`` with the sides swapped)."""
-    high = a.to(tl.bfloat16)
-    return tl.dot((a - high.to(tl.float32)).to(tl.bfloat16), b, tl.dot(high, b, acc))
-
-
-@triton.jit
 def _inverse_unit_lower_16_four(A0, A1, A2, A3):
     """``(I + A)^{-1}`` for four strictly lower 16x16 matrices, by forward substitution (exact
     order), in one loop so that the four independent chains of row reductions overlap."""
