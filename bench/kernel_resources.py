@@ -323,11 +323,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
-    erase_keys = "bf16" if fk.ERASE_KEYS_SCRATCH_IN_BFLOAT16 and saved("Wk") == "bf16" else f32
     out["intra_forward"] = (
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), X_out=saved("inverse"), A_diagonal=f32, qd_out=saved("qd"),
-             kd_out=saved("kd"), bkd_out=erase_keys, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
+             kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.INTRA_FORWARD_WARPS,
     )
@@ -337,7 +336,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                      PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
-        dict(v=inp, w=inp, X=saved("inverse"), bkd=erase_keys, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
+        dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
              first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )

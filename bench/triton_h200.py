@@ -57,9 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # b k exp(G) handed from the intra-forward to the WY launch in bfloat16 (16 KiB less written and
-    # read per chunk and head)
-    dict(ERASE_KEYS_SCRATCH_IN_BFLOAT16=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -63,9 +63,6 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
 # state and U split into two bfloat16 parts each (``_split_dot``; Wk and kd bfloat16), the
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
-# b k exp(G) between the intra-forward and the WY launches in bfloat16 where Wk is bfloat16 (half
-# the bytes; rounded twice on its way into Wk instead of once).
-ERASE_KEYS_SCRATCH_IN_BFLOAT16 = False
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
@@ -681,10 +678,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     A_diagonal = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
     diagonal(q, k, g, b, P, A_diagonal, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
-    # else into a scratch buffer (float32, or bfloat16 with ERASE_KEYS_SCRATCH_IN_BFLOAT16)
-    # dropped after the WY launch.
-    scratch = torch.bfloat16 if ERASE_KEYS_SCRATCH_IN_BFLOAT16 else torch.float32
-    bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=scratch, device=Wk.device)
+    # else into a float32 scratch buffer dropped after the WY launch.
+    bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
