@@ -510,3 +510,17 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
         assert (matrix[..., upper] == 0).all(), name
     diagonal = torch.eye(64).bool()
     assert (X[..., diagonal] == 1).all()  # the inverse of a unit lower triangular matrix
+
+
+def test_precision_study_default_is_the_operators():
+    """bench/saved_precision.py names its default set literally (its workers import the operator
+    only after setting TRITON_INTERPRET); it must be the operator's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "saved_precision.py"
+    spec = importlib.util.spec_from_file_location("saved_precision", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    assert study.DEFAULT == kernel.SAVED_IN_BFLOAT16
+    assert study.CONFIGS["default"] == kernel.SAVED_IN_BFLOAT16

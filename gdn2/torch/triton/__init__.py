@@ -89,14 +89,14 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
 # so that torch.compile sees two opaque operators instead of breaking its graph at each launch.
 SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 # Saved buffers kept in bfloat16 when the inputs are bfloat16 (half the bytes written and read);
-# the others stay float32. Any of SAVED but gamma may be named here: the kernels compute in float32,
-# round on the store and widen what they read to float32 before their products (bfloat16 operands
-# there were built wrong by Triton 3.6 for the H200). Measured against the float64 spec on
+# the others stay float32. Any of SAVED but gamma may be named here: the kernels compute in float32
+# and round on the store; a product whose operands are both bfloat16 as saved runs on them as they
+# are (exact), the others widen what they read to float32. Measured against the float64 spec on
 # bfloat16 inputs, the same draws for every choice (bench/saved_precision.py, bench/RESULTS.md):
-# the chunk states, qd and kd, and also Wk and the inverse, change no error visibly; Uw or U
-# raise o's error 1.4-1.7x (the values' rounding reaches o through P U) and the final state's
-# 3-9x, P o's 1.4-1.7x. float16 inputs keep every buffer in float32 (a state entry may pass
-# float16's 65504).
+# the chunk states, qd, kd and Wk (and the inverse) change no error visibly; Uw or U raise o's own
+# error 1.3x and the final state's 3-8x, and made the backward slower on the H200. Wk in bfloat16:
+# forward+backward 11.60 -> 11.35 ms at B=8 T=4096 H=16 K=V=128 (H200). float16 inputs keep every
+# buffer in float32 (a state entry may pass float16's 65504).
 SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk")
 
 
