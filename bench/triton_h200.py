@@ -57,9 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # X's diagonal tiles inverted by the diagonal launch: intra-forward 0.422 -> 0.296 G warp
-    # instructions (its substitution loop gone), diagonal 0.185 -> 0.251 G
-    dict(INVERSE_IN_DIAGONAL=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -524,27 +524,3 @@ def test_precision_study_default_is_the_operators():
     spec.loader.exec_module(study)
     assert study.DEFAULT == kernel.SAVED_IN_BFLOAT16
     assert study.CONFIGS["default"] == kernel.SAVED_IN_BFLOAT16
-
-
-@pytest.mark.parametrize("dtype, in_bfloat16", [(torch.float32, None), (torch.bfloat16, None),
-                                                (torch.bfloat16, WIDEST_BFLOAT16)], ids=["float32", "bfloat16", "widest"])
-def test_inverse_in_diagonal_launch_is_the_same(dtype, in_bfloat16, seed, interpreter, monkeypatch):
-    """X's diagonal tiles inverted by the diagonal launch (``INVERSE_IN_DIAGONAL``) give the
-    forward of the intra-forward launch's inversion bit for bit (the same substitution), with a
-    hard reset, a NaN in v and a partial last chunk; with the inverse saved in bfloat16 the
-    diagonal tiles go through the float32 scratch buffer as A's did."""
-    from gdn2.torch.triton import forward
-
-    if in_bfloat16 is not None:
-        monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-    case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-20.0, 0.0))
-    (q, k, v, g, b, w), state = _inputs(case, dtype)
-    g[0, 70, 1] = -float("inf")
-    v[0, 100, 0, 3] = float("nan")
-    results = []
-    for inverted in (False, True):
-        monkeypatch.setattr(forward, "INVERSE_IN_DIAGONAL", inverted)
-        results.append(kernel._forward(q, k, v, g, b, w, state, 0.125, None, None))
-    for name, before, after in zip(("o", "final_state") + kernel.SAVED, *results):
-        assert torch.equal(before.isnan(), after.isnan()), name
-        assert torch.equal(torch.nan_to_num(before), torch.nan_to_num(after)), name

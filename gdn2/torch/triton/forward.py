@@ -56,10 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# X's diagonal tiles inverted by the diagonal launch (one warp per tile, many programs) instead of
-# in the intra-forward launch (its substitution loop: 29% of its instructions, at 2 warps and
-# 12.5% occupancy).
-INVERSE_IN_DIAGONAL = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -153,17 +149,6 @@ def _inverse_unit_lower_16_four(A0, A1, A2, A3):
 
 
 @triton.jit
-def _inverse_unit_lower_16(A):
-    """``(I + A)^{-1}`` for one strictly lower 16x16 matrix, by forward substitution (the same
-    arithmetic as each chain of ``_inverse_unit_lower_16_four``)."""
-    r = tl.arange(0, 16)
-    X = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, 16):
-        X = _substitute_row(X, A, r[:, None] == i)
-    return X
-
-
-@triton.jit
 def _substitute_row(X, A, at_i):
     """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it: ``X[i] -= sum_j A[i, j] X[j]``."""
     a_row = tl.sum(tl.where(at_i, A, 0.0), 0)  # A[i, :], indexed by column j
@@ -243,12 +228,10 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] (A float32; P float32 or bfloat16): this launch writes their diagonal 16x16 tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    INVERT: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
-    products in ``DOT`` precision). With ``INVERT``, A's tile is replaced by ``(I + A)^{-1}`` (X's
-    diagonal tile) before the program ends."""
+    products in ``DOT`` precision)."""
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
@@ -261,13 +244,6 @@ def _diagonal_kernel(
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
                         first, end, H * K, K, BK, DOT)
-    if INVERT:  # the tile as stored (every entry written above), read back by the program's one warp
-        r = tl.arange(0, 16)
-        entries = A_out + tile + r[:, None] * 64 + r[None, :]
-        tl.debug_barrier()
-        X = _inverse_unit_lower_16(tl.load(entries))
-        tl.debug_barrier()
-        tl.store(entries, X)
 
 
 @triton.jit
@@ -431,10 +407,9 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INVERTED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}`` (with
-    ``INVERTED``, X's diagonal tiles are already where A's would be).
+    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
     exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)``
@@ -455,7 +430,7 @@ def _intra_forward_kernel(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32, INVERTED)
+    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -554,19 +529,15 @@ def _ieee(a, b):
 
 
 @triton.jit
-def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32, INVERTED: tl.constexpr):
+def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     """``X = (I + A)^{-1}`` of one chunk, stored at ``matrix`` in its dtype: the diagonal tiles by
     forward substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, float32 at
     ``A_diagonal``: X's own buffer when X is float32, each read here before X's is written), the
     others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, all in float32;
     each tile stored as soon as it is final, X's upper tiles zero."""
-    if INVERTED:  # the diagonal launch inverted them
-        X00, X11, X22, X33 = (_load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
-                              _load_tile(A_diagonal, 3, 3))
-    else:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-            _load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
-            _load_tile(A_diagonal, 3, 3))
+    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+        _load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
+        _load_tile(A_diagonal, 3, 3))
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 0, 1, zero)
@@ -675,17 +646,16 @@ def _wy_kernel(
                     first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
 
-def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None, invert: bool = False) -> None:
+def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     """Launch ``_diagonal_kernel``: the diagonal 16x16 tiles of ``P`` and ``A`` (``[B, H, N, 64,
     64]``; A float32, P float32 or bfloat16; ``intra_forward`` has ``A``'s written into X's buffer
-    when X is float32), nothing else of either; with ``invert``, ``(I + A)^{-1}``'s diagonal tiles
-    in A's place."""
+    when X is float32), nothing else of either."""
     B, T, H, K = q.shape
     N = P.shape[2]
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=chunk_table is not None, INVERT=invert, num_warps=DIAGONAL_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=DIAGONAL_WARPS, num_stages=1,
     )
 
 
@@ -706,7 +676,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # into a float32 scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy
     # the rounding of X alone does not).
     A_diagonal = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-    diagonal(q, k, g, b, P, A_diagonal, dot_precision, chunk_table, invert=INVERSE_IN_DIAGONAL)
+    diagonal(q, k, g, b, P, A_diagonal, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
@@ -714,7 +684,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, INVERTED=INVERSE_IN_DIAGONAL, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
