@@ -57,9 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # A's and P's tiles at one place as one batched product over the two warps: MMA instructions
-    # halved, spills 52 -> 0 B, still 253 registers
-    dict(INTRA_FORWARD_PAIRED=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -56,9 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# A's and P's tiles at one place as one batched product, the batch over the warps (a 16x16
-# product at 2 warps is otherwise computed, and its accumulator held, in both).
-INTRA_FORWARD_PAIRED = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -410,7 +407,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, PAIRED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
@@ -429,14 +426,9 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if PAIRED:
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles_paired(
-            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-            chunk, K, BK, DOT)
-    else:
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-            chunk, K, BK, DOT)
+    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+        chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
@@ -527,105 +519,6 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
     tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
-    return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
-
-
-@triton.jit
-def _pair_dot(bk_left, q_left, right, acc, DOT: tl.constexpr):
-    """``acc[0] += bk_left right^T``, ``acc[1] += q_left right^T`` as one batched product."""
-    lhs = tl.permute(tl.join(bk_left, q_left), (2, 0, 1))  # [2, 16, BK]
-    rhs = tl.trans(right)
-    rhs = tl.permute(tl.join(rhs, rhs), (2, 0, 1))  # [2, BK, 16]
-    return tl.dot(lhs, rhs, acc, input_precision=DOT)
-
-
-@triton.jit
-def _unpair(pair):
-    """The two [16, 16] tiles of a [2, 16, 16] pair."""
-    return tl.split(tl.permute(pair, (1, 2, 0)))
-
-
-@triton.jit
-def _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
-    """``_off_diagonal_tiles`` with each tile of A and the tile of P at the same place as one
-    batched [2, 16, 16] product (``_pair_dot``), the batch over the two warps: no 16x16 product
-    and accumulator copied in both warps."""
-    AP10 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP20 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP21 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP30 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP31 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP32 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)
-    qd_out += chunk * 64 * K
-    kd_out += chunk * 64 * K
-    bkd_out += chunk * 64 * K
-
-    # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
-    # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        # every sub-block's loads issued before the first is used, so that their latencies overlap
-        # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
-        # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
-        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
-        left = tl.exp(L0)  # exp(G) on sub-block 0
-        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
-        before = tl.exp(s0)  # the decay of the sub-blocks before the next one
-        right0 = k0_ * tl.exp(R0)
-
-        q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(*stored1, 1, key_bad_rows)
-        left = tl.exp(L1)
-        AP10 = _pair_dot(bk1 * left, q1 * left, right0, AP10, DOT)
-        decay1 = tl.exp(s1)
-        left = left * before[None, :]  # exp(G) on sub-block 1
-        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
-        before = before * decay1
-        right0 = right0 * decay1[None, :]
-        right1 = k1 * tl.exp(R1)
-
-        q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(*stored2, 2, key_bad_rows)
-        left = tl.exp(L2)
-        AP20 = _pair_dot(bk2 * left, q2 * left, right0, AP20, DOT)
-        AP21 = _pair_dot(bk2 * left, q2 * left, right1, AP21, DOT)
-        decay2 = tl.exp(s2)
-        left = left * before[None, :]  # exp(G) on sub-block 2
-        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
-        before = before * decay2
-        right0 = right0 * decay2[None, :]
-        right1 = right1 * decay2[None, :]
-        right2 = k2 * tl.exp(R2)
-
-        q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(*stored3, 3, key_bad_rows)
-        left = tl.exp(L3)
-        AP30 = _pair_dot(bk3 * left, q3 * left, right0, AP30, DOT)
-        AP31 = _pair_dot(bk3 * left, q3 * left, right1, AP31, DOT)
-        AP32 = _pair_dot(bk3 * left, q3 * left, right2, AP32, DOT)
-        left = left * before[None, :]  # exp(G) on sub-block 3
-        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
-        decay3 = tl.exp(s3)
-        tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
-        # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-        decay3 = decay3[None, :]
-        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
-        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
-        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
-
-    tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
-    A10, P10 = _unpair(AP10)
-    A20, P20 = _unpair(AP20)
-    A21, P21 = _unpair(AP21)
-    A30, P30 = _unpair(AP30)
-    A31, P31 = _unpair(AP31)
-    A32, P32 = _unpair(AP32)
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
@@ -791,7 +684,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, PAIRED=INTRA_FORWARD_PAIRED, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
