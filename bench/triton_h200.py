@@ -57,10 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the intra-forward key loop pipelined by Triton (the next key block's loads as asynchronous
-    # copies to shared memory: 16 KiB, spills 52 -> 36 B)
-    dict(INTRA_FORWARD_STAGES=2),
-    dict(INTRA_FORWARD_STAGES=3),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

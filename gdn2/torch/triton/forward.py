@@ -56,7 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-INTRA_FORWARD_STAGES = 1  # key blocks whose loads Triton's pipeliner issues ahead (asynchronous copies)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -408,7 +407,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
@@ -429,14 +428,14 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES)
+        chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -458,7 +457,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
@@ -685,7 +684,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
