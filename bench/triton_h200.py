@@ -57,6 +57,12 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
+    # Risky (Triton 3.6 faulted on all three together): one process each, --variants INDEX.
+    # The state backward's products on bfloat16 operands (spills 256 -> 304-404 B, fewer
+    # shared-memory moves with kd and Wk)
+    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=("kd", "Wk")),
+    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=("kd",)),
+    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=("qd",)),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
