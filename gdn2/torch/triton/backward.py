@@ -64,6 +64,8 @@ def _state_backward_kernel(
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
         t = first + rows
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
+        # The variants' body apart from the default's, which stays as it was timed (a rewrite of
+        # the default into the shared form would change its SASS); one of them stays, or none.
         if SPLIT_KD or SPLIT_WK or BFLOAT16_QD:
             d_raw = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
             d_out = d_raw.to(tl.float32) * scale

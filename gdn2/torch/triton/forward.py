@@ -736,9 +736,9 @@ def _state_forward_kernel(
             else:
                 state = _split_dot(tl.trans(kd_tile), U, state * decay[:, None])
         else:
-            # Products in float32 (TF32): with bfloat16 operands widened only where they meet
-            # float32 ones (Triton 3.6 built a form of this loop with bfloat16 operands wrong for
-            # the H200: non-finite states, illegal memory accesses).
+            # Products in float32 (TF32), every operand widened: float32 or float16 saved buffers,
+            # or STATE_BFLOAT16_PRODUCTS off (an earlier form of this loop on bfloat16 operands was
+            # built wrong by Triton 3.6 for the H200: non-finite states, illegal memory accesses).
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
             U -= tl.dot(Wk_tile, state, input_precision=DOT)
