@@ -57,17 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # Risky (Triton 3.6 faulted on all three together): one process each, --variants INDEX.
-    # (Indices: 1 to 3 below; 4 is the intra-forward launch at one warp.)
-    # The state backward's products on bfloat16 operands (spills 256 -> 304-404 B, fewer
-    # shared-memory moves with kd and Wk)
-    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=("kd", "Wk")),
-    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=("kd",)),
-    dict(STATE_BACKWARD_BFLOAT16_PRODUCTS=("qd",)),
-    # the intra-forward launch at one warp: no scan, reduction or layout change across warps (19
-    # barriers per key block instead of 48; 0.324 G warp instructions against 0.422) but 416 B of
-    # spills and one warp per program
-    dict(INTRA_FORWARD_WARPS=1),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

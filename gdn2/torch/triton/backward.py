@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _split_dot, _table, value_block
+from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, value_block
 
 
 @triton.jit
@@ -38,7 +38,6 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    SPLIT_KD: tl.constexpr, SPLIT_WK: tl.constexpr, BFLOAT16_QD: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -64,49 +63,21 @@ def _state_backward_kernel(
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
         t = first + rows
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        # The variants' body apart from the default's, which stays as it was timed (a rewrite of
-        # the default into the shared form would change its SASS); one of them stays, or none.
-        if SPLIT_KD or SPLIT_WK or BFLOAT16_QD:
-            d_raw = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
-            d_out = d_raw.to(tl.float32) * scale
-            row0 = head * N * 64 + i_n * 64
-            keys = (row0 + rows[:, None]) * K + cols_k[None, :]
-            kd_raw = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-            P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-            if SPLIT_KD:  # kd as stored (bfloat16), the state's gradient split (forward._split_dot)
-                dU = _split_dot(kd_raw, d_state, dU)
-            else:
-                dU += tl.dot(kd_raw.to(tl.float32), d_state, input_precision=DOT)
-            tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-            qd_raw = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
-            Wk_raw = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
-            decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-            d_state = d_state * decay[:, None]
-            if BFLOAT16_QD:  # qd and dO as stored (both bfloat16): exact products, scaled after
-                d_state += tl.dot(tl.trans(qd_raw), d_raw) * scale
-            else:
-                d_state += tl.dot(tl.trans(qd_raw.to(tl.float32)), d_out, input_precision=DOT)
-            if SPLIT_WK:  # Wk as stored, U's gradient split
-                d_state -= _split_dot(tl.trans(Wk_raw), dU, tl.zeros((BK, BV), dtype=tl.float32))
-            else:
-                d_state -= tl.dot(tl.trans(Wk_raw.to(tl.float32)), dU, input_precision=DOT)
-        else:
-            d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
-            row0 = head * N * 64 + i_n * 64
-            keys = (row0 + rows[:, None]) * K + cols_k[None, :]
-            kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
-            tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-            qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-            d_state = (
-                d_state * decay[:, None]
-                + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
-                - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
-            )
+        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+        row0 = head * N * 64 + i_n * 64
+        keys = (row0 + rows[:, None]) * K + cols_k[None, :]
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
+        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
+        d_state = (
+            d_state * decay[:, None]
+            + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
+            - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
+        )
     if STORE_INITIAL:
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
@@ -127,17 +98,8 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1,
-        **{flag: name in STATE_BACKWARD_BFLOAT16_PRODUCTS and saved.dtype == torch.bfloat16
-           and (flag != "BFLOAT16_QD" or d_o.dtype == torch.bfloat16)
-           for flag, name, saved in (("SPLIT_KD", "kd", kd), ("SPLIT_WK", "Wk", Wk), ("BFLOAT16_QD", "qd", qd))},
     )
 
-
-# The state backward's products on bfloat16 operands, any of "kd" (kd as saved times the state's
-# gradient split in two bfloat16 parts, forward._split_dot), "Wk" (Wk^T times U's gradient split)
-# and "qd" (qd^T dO, both as saved); the others widened to float32 (TF32). All three together
-# faulted on the H200 (an illegal memory access at B=2 T=300 H=2 K=V=128, Triton 3.6).
-STATE_BACKWARD_BFLOAT16_PRODUCTS: tuple[str, ...] = ()
 
 # Launch settings measured on an H200 (bench/RESULTS.md): 32 key columns per block (16 was
 # slower); 8 warps (16 faulted with Triton 3.6).
