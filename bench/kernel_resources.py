@@ -323,20 +323,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
-    decays_block = min(fk.SUB_BLOCK_DECAYS_KEY_BLOCK, bk)
-    out["sub_block_decays"] = (
-        fk._sub_block_decays_kernel,
-        dict(g=inp, row_decay_out=f32, col_decay_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=decays_block, PACKED=packed),
-        fk.SUB_BLOCK_DECAYS_WARPS,
-    )
-    LOOP_TRIPS["sub_block_decays"] = [key_blocks_of(decays_block)]
-    PROGRAMS["sub_block_decays"] = chunks * heads
     out["intra_forward"] = (
         fk._intra_forward_kernel,
-        dict(q=inp, k=inp, b=inp, P_out=saved("P"), X_out=saved("inverse"), A_diagonal=f32, row_decay=f32,
-             col_decay=f32, qd_out=saved("qd"), kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad="i32",
-             chunk_table="i32"), {},
+        dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), X_out=saved("inverse"), A_diagonal=f32, qd_out=saved("qd"),
+             kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.INTRA_FORWARD_WARPS,
     )

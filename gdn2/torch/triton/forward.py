@@ -56,8 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-SUB_BLOCK_DECAYS_WARPS = 4
-SUB_BLOCK_DECAYS_KEY_BLOCK = 128
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -165,90 +163,55 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0, I: tl.constexpr, T, HK,
-                    K: tl.constexpr, cols, col_ok):
-    """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns: q, k, b as
-    stored, ``row_decay`` and ``col_decay`` (``_sub_block_decays_kernel``'s, at ``decay_base``, the
-    chunk's first row) and the sub-block's total decay (``row_decay`` at its last row)."""
+def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
+    """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
+    q, k, b, g and g one row on (``_sub_block``'s input)."""
     r = tl.arange(0, 16)
     t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
-    decays = decay_base + (I * 16 + r[:, None]) * K + cols[None, :]
-    decay_ok = (r >= 0)[:, None] & col_ok[None, :]
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
-    return (q_raw, k_raw, b_raw, tl.load(row_decay + decays, mask=decay_ok, other=0.0),
-            tl.load(col_decay + decays, mask=decay_ok, other=0.0),
-            tl.load(row_decay + decay_base + (I * 16 + 15) * K + cols, mask=col_ok, other=0.0))
+    g_raw = tl.load(g + offsets, mask=ok, other=0.0)
+    return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
 
 
 @triton.jit
-def _chunk_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0, T, HK, K: tl.constexpr, cols, col_ok):
+def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
     """``_sub_block_load`` of all four sub-blocks, issued together so that their latencies overlap."""
-    return (_sub_block_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0, 0, T, HK, K, cols, col_ok),
-            _sub_block_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0, 1, T, HK, K, cols, col_ok),
-            _sub_block_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0, 2, T, HK, K, cols, col_ok),
-            _sub_block_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0, 3, T, HK, K, cols, col_ok))
+    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok))
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, row_decay, col_decay, total_decay, I: tl.constexpr, key_bad_rows):
-    """Inputs of sub-block I from its loaded tiles (``_sub_block_load``): q, k, b * k ([16, BK]
-    float32) with the decays as loaded, and ``key_bad_rows`` ([16, BK] int32) updated: per entry
-    the least row ``16 M + r`` of the chunk seen there whose k or b is non-finite (64: none)."""
+def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad_rows):
+    """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
+
+    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
+    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span, and
+    ``key_bad_rows``, updated to the chunk's first rows with a bad key-side input
+    so far ([16] int32: per row r of a sub-block, the least 16 M + r over the sub-blocks M and key
+    columns seen whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none).
+    """
     r = tl.arange(0, 16)
+    q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
-    bad = (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad_rows = tl.minimum(key_bad_rows, tl.where(bad, I * 16 + r[:, None], 64))
+    g_raw = g_raw.to(tl.float32)
+    bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
     k_tile = _finite(k_raw)
-    return q_raw.to(tl.float32), k_tile, _finite(b_raw) * k_tile, row_decay, col_decay, total_decay, key_bad_rows
-
-
-@triton.jit
-def _sub_block_decays_kernel(
-    g,  # input [B, T, H, K]
-    row_decay_out, col_decay_out,  # [B, H, N * 64, K] float32
-    key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a NaN or +inf g (64: none)
-    chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, PACKED: tl.constexpr,
-):
-    """The span exponentials inside each 16-row sub-block of one chunk, for the key loop of
-    ``_intra_forward_kernel``: ``row_decay = exp(L)`` with L the sum of g from the sub-block's first
-    row through the row, ``col_decay = exp(R)`` with R the sum of g over the rows after it to the
-    sub-block's end (each a sum over its own span, never a difference; -inf is a hard reset, NaN
-    and +inf read as 0 and recorded). The four sub-blocks' rows go together as [4, BK] tiles, one
-    row position at a time (forward for L, backward for R), so that every sum stays in its
-    thread."""
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    t0, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    HK = H * K
-    first_rows = 16 * tl.arange(0, 4)  # each sub-block's first row in the chunk
-    chunk = i_bh * N + i_n
-    inputs = g + i_b * T * HK + i_h * K + (t0 + first_rows)[:, None] * HK
-    outputs = chunk * 64 * K + first_rows[:, None] * K
-    bad_rows = tl.full((4, BK), 64, dtype=tl.int32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        L = tl.zeros((4, BK), dtype=tl.float32)
-        for i in tl.static_range(16):
-            ok = (t0 + first_rows + i < end)[:, None] & col_ok[None, :]
-            g_raw = tl.load(inputs + i * HK + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            bad_rows = tl.minimum(bad_rows, tl.where(g_raw != _decay(g_raw), first_rows[:, None] + i, 64))
-            L += _decay(g_raw)
-            tl.store(row_decay_out + outputs + i * K + cols[None, :], tl.exp(L), mask=col_ok[None, :])
-        R = tl.zeros((4, BK), dtype=tl.float32)
-        for j in tl.static_range(16):
-            i = 15 - j
-            tl.store(col_decay_out + outputs + i * K + cols[None, :], tl.exp(R), mask=col_ok[None, :])
-            ok = (t0 + first_rows + i < end)[:, None] & col_ok[None, :]
-            R += _load_decay(inputs + i * HK + cols[None, :], ok)
-    tl.store(key_first_bad_out + chunk, tl.min(tl.min(bad_rows, 1), 0))
+    bk = _finite(b_raw) * k_tile
+    g_tile = _decay(g_raw)
+    g_next = _decay(g_next_raw.to(tl.float32))
+    L = tl.cumsum(g_tile, 0)
+    R = tl.cumsum(g_next, 0, reverse=True)
+    total = tl.sum(g_tile, 0)
+    return q_tile, k_tile, bk, L, R, total, key_bad_rows
 
 
 @triton.jit
@@ -437,13 +400,12 @@ def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
 
 @triton.jit
 def _intra_forward_kernel(
-    q, k, b,  # inputs [B, T, H, K]
+    q, k, g, b,  # inputs [B, T, H, K]
     P_out, X_out,  # [B, H, N, 64, 64], float32 or bfloat16 (the saved dtypes)
     A_diagonal,  # [B, H, N, 64, 64] float32: A's diagonal tiles from _diagonal_kernel (X_out itself when float32)
-    row_decay, col_decay,  # [B, H, N * 64, K] float32, from _sub_block_decays_kernel
     qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]
     gamma_out,  # [B, H, N, K] float32
-    key_first_bad,  # [B, H, N] int32: g's first bad row (_sub_block_decays_kernel), lowered here to k's and b's
+    key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
@@ -452,12 +414,10 @@ def _intra_forward_kernel(
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
     exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)``
     (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``:
-    products of span exponentials, each <= 1; e^L and e^R as ``_sub_block_decays_kernel`` made
-    them, so that the key loop has no scans, t_M their last row's e^L), each sub-block's rows
-    stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b
-    here, a NaN or +inf g as the decays launch found it: ``key_first_bad``). P's tiles are stored
-    before the inverse and X's as soon as each is final, so that few tiles stay live through the
-    inverse."""
+    products of span exponentials, each <= 1), each sub-block's rows
+    stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
+    NaN or +inf g: ``key_first_bad_out``). P's tiles are stored before the inverse and X's as
+    soon as each is final, so that few tiles stay live through the inverse."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -467,15 +427,15 @@ def _intra_forward_kernel(
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-        q, k, b, row_decay, col_decay, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad,
+        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
-def _off_diagonal_tiles(q, k, b, row_decay, col_decay, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out,
-                        key_first_bad, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -490,8 +450,7 @@ def _off_diagonal_tiles(q, k, b, row_decay, col_decay, key_base, t0, end, HK, qd
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    key_bad_rows = tl.full((16, BK), 64, dtype=tl.int32)
-    decay_base = chunk * 64 * K
+    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)
     qd_out += chunk * 64 * K
     kd_out += chunk * 64 * K
     bkd_out += chunk * 64 * K
@@ -504,38 +463,43 @@ def _off_diagonal_tiles(q, k, b, row_decay, col_decay, key_base, t0, end, HK, qd
         # every sub-block's loads issued before the first is used, so that their latencies overlap
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
-        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, row_decay, col_decay, key_base, decay_base, t0,
-                                                         end, HK, K, cols, col_ok)
-        q0, k0_, bk0, left, after0, before, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
-        # left: exp(G) on sub-block 0; before: the decay of the sub-blocks before the next one
+        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
+        q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
+        left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
         _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
-        right0 = k0_ * after0
+        before = tl.exp(s0)  # the decay of the sub-blocks before the next one
+        right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, left, after1, decay1, key_bad_rows = _sub_block(*stored1, 1, key_bad_rows)
+        q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(*stored1, 1, key_bad_rows)
+        left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        decay1 = tl.exp(s1)
         left = left * before[None, :]  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
         _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1[None, :]
-        right1 = k1 * after1
+        right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, left, after2, decay2, key_bad_rows = _sub_block(*stored2, 2, key_bad_rows)
+        q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(*stored2, 2, key_bad_rows)
+        left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
         A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        decay2 = tl.exp(s2)
         left = left * before[None, :]  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
         _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2[None, :]
         right1 = right1 * decay2[None, :]
-        right2 = k2 * after2
+        right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, left, after3, decay3, key_bad_rows = _sub_block(*stored3, 3, key_bad_rows)
+        q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(*stored3, 3, key_bad_rows)
+        left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
         A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
@@ -545,16 +509,16 @@ def _off_diagonal_tiles(q, k, b, row_decay, col_decay, key_base, t0, end, HK, qd
         left = left * before[None, :]  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
         _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        decay3 = tl.exp(s3)
         tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
         # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
         decay3 = decay3[None, :]
         _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
         _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
         _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 3, K, cols, col_ok, k3 * after3)
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
-    first_bad = tl.minimum(tl.load(key_first_bad + chunk), tl.min(tl.min(key_bad_rows, 1), 0))
-    tl.store(key_first_bad + chunk, first_bad)
+    tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
@@ -717,14 +681,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
-    row_decay, col_decay = (torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device) for _ in range(2))
-    _sub_block_decays_kernel[(N, B * H)](
-        g, row_decay, col_decay, key_first_bad, table, T, H, K, N,
-        BK=min(SUB_BLOCK_DECAYS_KEY_BLOCK, max(16, triton.next_power_of_2(K))), PACKED=packed,
-        num_warps=SUB_BLOCK_DECAYS_WARPS, num_stages=1,
-    )
     _intra_forward_kernel[(N, B * H)](
-        q, k, b, P, X, A_diagonal, row_decay, col_decay, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
+        q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
