@@ -57,13 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # Risky (an earlier form gave non-finite results): one process each, --variants INDEX.
-    # The reverse state pass's loads one chunk ahead (780 B of spills at 6.2% occupancy), and with
-    # value blocks of 32 (400 B, 12.5%)
-    dict(STATE_BACKWARD_STAGES=2),
-    dict(STATE_BACKWARD_STAGES=2, STATE_MIN_PROGRAMS=512),
-    # the diagonal launch's key loop in blocks of 32 columns (178 registers against 168)
-    dict(DIAGONAL_KEY_BLOCK=32),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

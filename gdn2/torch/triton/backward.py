@@ -38,7 +38,6 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -58,7 +57,7 @@ def _state_backward_kernel(
         d_state = tl.load(d_final + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         d_state = tl.zeros((BK, BV), dtype=tl.float32)
-    for step in tl.range(0, chunk_end - chunk_first, num_stages=STAGES):
+    for step in range(chunk_end - chunk_first):
         i_n = chunk_end - 1 - step
         tl.store(d_leaving + (head * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
@@ -98,13 +97,9 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=STATE_BACKWARD_STAGES, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1,
     )
 
-
-# Loads of the reverse state pass issued this many chunks ahead (1: none), as the forward's
-# STATE_STAGES; a variant to time (an earlier form gave non-finite results at 2).
-STATE_BACKWARD_STAGES = 1
 
 # Launch settings measured on an H200 (bench/RESULTS.md): 32 key columns per block (16 was
 # slower); 8 warps (16 faulted with Triton 3.6).
