@@ -57,8 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the blocked inverse's products in TF32 (as fla's) instead of exact float32
-    dict(INVERSE_IN_LAUNCH_PRECISION=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -56,10 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# The blocked inverse's 16x16 products (X's tiles below the diagonal) in the launch's precision
-# (TF32 by default, as fla's) instead of exact float32 (FMA products on CUDA cores): a variant to
-# time and check.
-INVERSE_IN_LAUNCH_PRECISION = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -411,7 +407,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INVERSE_DOT: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
@@ -434,7 +430,7 @@ def _intra_forward_kernel(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32, INVERSE_DOT)
+    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -527,14 +523,13 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
 
 @triton.jit
-def _inverse_dot(a, b, DOT: tl.constexpr):
-    """A product of the blocked inverse: exact float32 (``DOT`` "ieee"; "tf32x3", three
-    tensor-core passes, measured slower on the H200) or the launch's precision."""
-    return tl.dot(a, b, input_precision=DOT)
+def _ieee(a, b):
+    """An exact float32 product ("tf32x3", three tensor-core passes, measured slower on the H200)."""
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32, DOT: tl.constexpr):
+def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     """``X = (I + A)^{-1}`` of one chunk, stored at ``matrix`` in its dtype: the diagonal tiles by
     forward substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, float32 at
     ``A_diagonal``: X's own buffer when X is float32, each read here before X's is written), the
@@ -554,18 +549,17 @@ def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32, DOT: tl.con
     _store_tile(matrix, 2, 2, X22)
     _store_tile(matrix, 2, 3, zero)
     _store_tile(matrix, 3, 3, X33)
-    X10 = -_inverse_dot(X11, _inverse_dot(A10, X00, DOT), DOT)
+    X10 = -_ieee(X11, _ieee(A10, X00))
     _store_tile(matrix, 1, 0, X10)
-    X21 = -_inverse_dot(X22, _inverse_dot(A21, X11, DOT), DOT)
+    X21 = -_ieee(X22, _ieee(A21, X11))
     _store_tile(matrix, 2, 1, X21)
-    X20 = -_inverse_dot(X22, _inverse_dot(A20, X00, DOT) + _inverse_dot(A21, X10, DOT), DOT)
+    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
     _store_tile(matrix, 2, 0, X20)
-    X32 = -_inverse_dot(X33, _inverse_dot(A32, X22, DOT), DOT)
+    X32 = -_ieee(X33, _ieee(A32, X22))
     _store_tile(matrix, 3, 2, X32)
-    X31 = -_inverse_dot(X33, _inverse_dot(A31, X11, DOT) + _inverse_dot(A32, X21, DOT), DOT)
+    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
     _store_tile(matrix, 3, 1, X31)
-    X30 = -_inverse_dot(X33, _inverse_dot(A30, X00, DOT) + _inverse_dot(A31, X10, DOT)
-                        + _inverse_dot(A32, X20, DOT), DOT)
+    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
     _store_tile(matrix, 3, 0, X30)
 
 
@@ -690,8 +684,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, INVERSE_DOT=dot_precision if INVERSE_IN_LAUNCH_PRECISION else "ieee",
-        num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
