@@ -57,8 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # A's diagonal tiles loaded with the last key block's inputs (the last block after the loop)
-    dict(INTRA_FORWARD_DIAGONAL_AHEAD=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

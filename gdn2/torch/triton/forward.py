@@ -56,9 +56,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# A's diagonal tiles (for the inverse) loaded with the last key block's inputs, so that their
-# latency overlaps that block's work, instead of after the key loop: a variant to time.
-INTRA_FORWARD_DIAGONAL_AHEAD = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -410,7 +407,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, DIAGONAL_AHEAD: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
 
@@ -429,20 +426,18 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-        q, k, b, g, A_diagonal + chunk * 64 * 64, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out,
-        key_first_bad_out, chunk, K, BK, DOT, DIAGONAL_AHEAD)
+    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+        chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_inverse(X_out + chunk * 64 * 64, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32)
+    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
-def _off_diagonal_tiles(q, k, b, g, A_diagonal, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out,
-                        key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                        DIAGONAL_AHEAD: tl.constexpr):
-    """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles and A's
-    diagonal tiles (loaded with the last key block's inputs when ``DIAGONAL_AHEAD``, after the
-    loop otherwise), and stores qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
+def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
+    qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
     A20 = tl.zeros((16, 16), dtype=tl.float32)
     A21 = tl.zeros((16, 16), dtype=tl.float32)
@@ -462,99 +457,69 @@ def _off_diagonal_tiles(q, k, b, g, A_diagonal, key_base, t0, end, HK, qd_out, k
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
-    last = (K - 1) // BK * BK  # the last key block's first column
-    for k0 in range(0, last if DIAGONAL_AHEAD else K, BK):
+    for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32, key_bad_rows = _key_block(
-            stored0, stored1, stored2, stored3, cols, col_ok, A10, A20, A21, A30, A31, A32,
-            P10, P20, P21, P30, P31, P32, key_bad_rows, qd_out, kd_out, bkd_out, gamma_out, chunk, K, DOT)
-    if DIAGONAL_AHEAD:
-        cols = last + tl.arange(0, BK)
-        col_ok = cols < K
-        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        A00 = _load_tile(A_diagonal, 0, 0)
-        A11 = _load_tile(A_diagonal, 1, 1)
-        A22 = _load_tile(A_diagonal, 2, 2)
-        A33 = _load_tile(A_diagonal, 3, 3)
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32, key_bad_rows = _key_block(
-            stored0, stored1, stored2, stored3, cols, col_ok, A10, A20, A21, A30, A31, A32,
-            P10, P20, P21, P30, P31, P32, key_bad_rows, qd_out, kd_out, bkd_out, gamma_out, chunk, K, DOT)
-    else:
-        A00 = _load_tile(A_diagonal, 0, 0)
-        A11 = _load_tile(A_diagonal, 1, 1)
-        A22 = _load_tile(A_diagonal, 2, 2)
-        A33 = _load_tile(A_diagonal, 3, 3)
+        q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
+        left = tl.exp(L0)  # exp(G) on sub-block 0
+        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        before = tl.exp(s0)  # the decay of the sub-blocks before the next one
+        right0 = k0_ * tl.exp(R0)
+
+        q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(*stored1, 1, key_bad_rows)
+        left = tl.exp(L1)
+        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
+        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        decay1 = tl.exp(s1)
+        left = left * before[None, :]  # exp(G) on sub-block 1
+        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        before = before * decay1
+        right0 = right0 * decay1[None, :]
+        right1 = k1 * tl.exp(R1)
+
+        q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(*stored2, 2, key_bad_rows)
+        left = tl.exp(L2)
+        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
+        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
+        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
+        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        decay2 = tl.exp(s2)
+        left = left * before[None, :]  # exp(G) on sub-block 2
+        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        before = before * decay2
+        right0 = right0 * decay2[None, :]
+        right1 = right1 * decay2[None, :]
+        right2 = k2 * tl.exp(R2)
+
+        q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(*stored3, 3, key_bad_rows)
+        left = tl.exp(L3)
+        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
+        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
+        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
+        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
+        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
+        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
+        left = left * before[None, :]  # exp(G) on sub-block 3
+        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        decay3 = tl.exp(s3)
+        tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
+        # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
+        decay3 = decay3[None, :]
+        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
     tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
-    return A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
-
-
-@triton.jit
-def _key_block(stored0, stored1, stored2, stored3, cols, col_ok, A10, A20, A21, A30, A31, A32,
-               P10, P20, P21, P30, P31, P32, key_bad_rows, qd_out, kd_out, bkd_out, gamma_out, chunk,
-               K: tl.constexpr, DOT: tl.constexpr):
-    """One key block of the key loop (``_chunk_load``'s tiles): A's and P's tiles accumulated, the
-    block's qd, bkd, kd and gamma stored."""
-    q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
-    left = tl.exp(L0)  # exp(G) on sub-block 0
-    _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-    _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
-    before = tl.exp(s0)  # the decay of the sub-blocks before the next one
-    right0 = k0_ * tl.exp(R0)
-
-    q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(*stored1, 1, key_bad_rows)
-    left = tl.exp(L1)
-    A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
-    P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
-    decay1 = tl.exp(s1)
-    left = left * before[None, :]  # exp(G) on sub-block 1
-    _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-    _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
-    before = before * decay1
-    right0 = right0 * decay1[None, :]
-    right1 = k1 * tl.exp(R1)
-
-    q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(*stored2, 2, key_bad_rows)
-    left = tl.exp(L2)
-    A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
-    P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
-    A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
-    P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
-    decay2 = tl.exp(s2)
-    left = left * before[None, :]  # exp(G) on sub-block 2
-    _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-    _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
-    before = before * decay2
-    right0 = right0 * decay2[None, :]
-    right1 = right1 * decay2[None, :]
-    right2 = k2 * tl.exp(R2)
-
-    q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(*stored3, 3, key_bad_rows)
-    left = tl.exp(L3)
-    A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
-    P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
-    A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
-    P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
-    A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
-    P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
-    left = left * before[None, :]  # exp(G) on sub-block 3
-    _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-    _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
-    decay3 = tl.exp(s3)
-    tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
-    # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-    decay3 = decay3[None, :]
-    _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
-    _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
-    _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-    _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
-
-    return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32, key_bad_rows
+    return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
 @triton.jit
@@ -564,13 +529,15 @@ def _ieee(a, b):
 
 
 @triton.jit
-def _store_inverse(matrix, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32):
+def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     """``X = (I + A)^{-1}`` of one chunk, stored at ``matrix`` in its dtype: the diagonal tiles by
     forward substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, float32 at
     ``A_diagonal``: X's own buffer when X is float32, each read here before X's is written), the
     others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, all in float32;
     each tile stored as soon as it is final, X's upper tiles zero."""
-    X00, X11, X22, X33 = _inverse_unit_lower_16_four(A00, A11, A22, A33)
+    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+        _load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
+        _load_tile(A_diagonal, 3, 3))
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 0, 1, zero)
@@ -717,7 +684,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, DIAGONAL_AHEAD=INTRA_FORWARD_DIAGONAL_AHEAD, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
