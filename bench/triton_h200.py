@@ -57,10 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # every load of a chunk in the reverse state pass before its first product (534 B of spills
-    # against 256), and that with value blocks of 32 (240 B)
-    dict(STATE_BACKWARD_LOADS_FIRST=True),
-    dict(STATE_BACKWARD_LOADS_FIRST=True, STATE_MIN_PROGRAMS=512),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

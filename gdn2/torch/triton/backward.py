@@ -38,7 +38,6 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    LOADS_FIRST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -67,25 +66,13 @@ def _state_backward_kernel(
         d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
-        if LOADS_FIRST:  # every load of the chunk issued before the first product waits on one
-            kd_raw = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-            P_raw = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :])
-            qd_raw = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
-            Wk_raw = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
-            decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-            dU = (tl.dot(tl.trans(P_raw.to(tl.float32)), d_out, input_precision=DOT)
-                  + tl.dot(kd_raw.to(tl.float32), d_state, input_precision=DOT))
-            tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-            qd_tile = qd_raw.to(tl.float32)
-            Wk_tile = Wk_raw.to(tl.float32)
-        else:
-            kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
-            tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-            qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
+        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
+        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         d_state = (
             d_state * decay[:, None]
             + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
@@ -110,13 +97,9 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1,
     )
 
-
-# Every load of a chunk in the reverse state pass issued before its first product (the loads of
-# qd, Wk and gamma waited after the first two products): a variant to time.
-STATE_BACKWARD_LOADS_FIRST = False
 
 # Launch settings measured on an H200 (bench/RESULTS.md): 32 key columns per block (16 was
 # slower); 8 warps (16 faulted with Triton 3.6).
