@@ -57,6 +57,9 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
+    # X = (I + A)^{-1} in a launch of its own at one warp (and at two)
+    dict(INVERSE_LAUNCH=True),
+    dict(INVERSE_LAUNCH=True, INVERSE_WARPS=2),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -469,11 +469,47 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
     filled with NaN come back finite, first_bad marks the bad chunks and columns only. Also with
     every buffer that can be bfloat16 in bfloat16 (A's diagonal tiles then in a float32 scratch
     buffer, X rounded on its store)."""
-    from gdn2.spec import parse_cu_seqlens
+    if in_bfloat16 is not None:
+        monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
+    filled, first_bad = _intra_forward_filled(packed, dtype, seed)
+    assert (first_bad < 64).any() and (first_bad == 64).any() and (first_bad >= 0).all()
+    for name, buffer in filled.items():
+        assert torch.isfinite(buffer.double()).all(), name
+    P, X = filled["P"], filled["X"]
+    upper = torch.ones(64, 64).triu(1).bool() & ~torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
+    for name, matrix in (("P", P), ("X", X)):
+        assert (matrix[..., upper] == 0).all(), name
+    diagonal = torch.eye(64).bool()
+    assert (X[..., diagonal] == 1).all()  # the inverse of a unit lower triangular matrix
+
+
+@kernel_only
+@pytest.mark.parametrize("packed, dtype, in_bfloat16", [
+    (False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, WIDEST_BFLOAT16)],
+    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest"])
+def test_inverse_launch_matches_the_fused_inverse(packed, dtype, in_bfloat16, seed, interpreter, monkeypatch):
+    """X = (I + A)^{-1} made by a launch of its own (``INVERSE_LAUNCH``, the intra-forward launch
+    storing A's tiles instead) is the fused inverse's bit for bit, and so is every other buffer of
+    the in-chunk launches (the inputs of the test above: hard resets, bad values, padded rows)."""
     from gdn2.torch.triton import forward
 
     if in_bfloat16 is not None:
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
+    results = []
+    for apart in (False, True):
+        monkeypatch.setattr(forward, "INVERSE_LAUNCH", apart)
+        results.append(_intra_forward_filled(packed, dtype, seed))
+    (fused, fused_bad), (apart, apart_bad) = results
+    assert torch.equal(fused_bad, apart_bad)
+    for name in fused:
+        assert torch.equal(fused[name], apart[name]), name
+
+
+def _intra_forward_filled(packed, dtype, seed):
+    """The buffers ``intra_forward`` fills (each first filled with NaN: every entry must be
+    written) and ``first_bad``, on the inputs of ``test_intra_forward_writes_every_entry``."""
+    from gdn2.spec import parse_cu_seqlens
+    from gdn2.torch.triton import forward
 
     rng = np.random.default_rng(seed)
     B, T, H, K, V = (1, 150, 2, 48, 24) if packed else (2, 130, 2, 40, 24)
@@ -501,14 +537,7 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
     filled = dict(qd=qd, kd=kd, Wk=Wk, Uw=Uw, gamma=gamma, P=P, X=X)  # in intra_forward's order
     first_bad = torch.full((B, H, N, V), -1, dtype=torch.int32)
     forward.intra_forward(q, k, v, g, b, w, *filled.values(), first_bad, "ieee", chunk_table)
-    assert (first_bad < 64).any() and (first_bad == 64).any() and (first_bad >= 0).all()
-    for name, buffer in filled.items():
-        assert torch.isfinite(buffer.double()).all(), name
-    upper = torch.ones(64, 64).triu(1).bool() & ~torch.block_diag(*[torch.ones(16, 16)] * 4).bool()
-    for name, matrix in (("P", P), ("X", X)):
-        assert (matrix[..., upper] == 0).all(), name
-    diagonal = torch.eye(64).bool()
-    assert (X[..., diagonal] == 1).all()  # the inverse of a unit lower triangular matrix
+    return filled, first_bad
 
 
 def test_precision_study_default_is_the_operators():

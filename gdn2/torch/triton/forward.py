@@ -56,6 +56,11 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
+# X = (I + A)^{-1} made by a launch of its own (_inverse_kernel, one warp) after the intra-forward
+# launch, which then stores A's tiles instead: a variant to time (without the inverse, A's
+# diagonal tiles not loaded, that launch took 0.99 ms against 1.22 in a timing-only probe).
+INVERSE_LAUNCH = False
+INVERSE_WARPS = 1
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -407,9 +412,10 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INVERSE_APART: tl.constexpr,
 ):
-    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}``.
+    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}`` (with
+    ``INVERSE_APART``, A's tiles stored for ``_inverse_kernel`` instead).
 
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
     exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)``
@@ -430,7 +436,35 @@ def _intra_forward_kernel(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+    if INVERSE_APART:  # A's tiles beside its diagonal ones, for _inverse_kernel
+        A = A_diagonal + chunk * 64 * 64
+        _store_tile(A, 1, 0, A10)
+        _store_tile(A, 2, 0, A20)
+        _store_tile(A, 2, 1, A21)
+        _store_tile(A, 3, 0, A30)
+        _store_tile(A, 3, 1, A31)
+        _store_tile(A, 3, 2, A32)
+    else:
+        _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+
+
+@triton.jit
+def _inverse_kernel(
+    A,  # [B, H, N, 64, 64] float32: A's lower tiles (X_out itself when float32)
+    X_out,  # [B, H, N, 64, 64], float32 or bfloat16
+):
+    """``X = (I + A)^{-1}`` of one chunk (``_store_inverse``), from A's tiles as the diagonal and
+    intra-forward launches stored them: with few registers, many programs share a multiprocessor
+    and hide the latency of their loads, which the intra-forward launch, at 255 registers, does
+    not."""
+    chunk = tl.program_id(0).to(tl.int64) * 64 * 64
+    A += chunk
+    X_out += chunk
+    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A)
+    # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
+    # through it
+    _store_inverse_below(X_out, X00, X11, X22, X33, _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1),
+                         _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2))
 
 
 @triton.jit
@@ -535,6 +569,13 @@ def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     ``A_diagonal``: X's own buffer when X is float32, each read here before X's is written), the
     others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, all in float32;
     each tile stored as soon as it is final, X's upper tiles zero."""
+    X00, X11, X22, X33 = _store_inverse_diagonal(matrix, A_diagonal)
+    _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32)
+
+
+@triton.jit
+def _store_inverse_diagonal(matrix, A_diagonal):
+    """``_store_inverse``'s diagonal tiles (and the zero tiles above them), returned too."""
     X00, X11, X22, X33 = _inverse_unit_lower_16_four(
         _load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
         _load_tile(A_diagonal, 3, 3))
@@ -549,6 +590,12 @@ def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
     _store_tile(matrix, 2, 2, X22)
     _store_tile(matrix, 2, 3, zero)
     _store_tile(matrix, 3, 3, X33)
+    return X00, X11, X22, X33
+
+
+@triton.jit
+def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32):
+    """``_store_inverse``'s tiles below the diagonal, by the blocked formula."""
     X10 = -_ieee(X11, _ieee(A10, X00))
     _store_tile(matrix, 1, 0, X10)
     X21 = -_ieee(X22, _ieee(A21, X11))
@@ -684,8 +731,10 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, INVERSE_APART=INVERSE_LAUNCH, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
+    if INVERSE_LAUNCH:
+        _inverse_kernel[(B * H * N,)](A_diagonal, X, num_warps=INVERSE_WARPS, num_stages=1)
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
