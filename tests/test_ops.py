@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gdn2 import algorithm
 from gdn2.spec import INPUT_NAMES, random_inputs, reference_backward, reference_forward, relative_error
-from gdn2.testing import GRAD_NAMES, Shape, make_case, run_mlx, run_torch, worst_error
+from gdn2.testing import GRAD_NAMES, Shape, make_case, rounded_case, run_mlx, run_torch, worst_error
 from gdn2.xp import numpy_ops
 
 RUNNERS = {"torch": run_torch, "mlx": run_mlx}
@@ -64,10 +64,19 @@ def test_numpy_chunk_algorithm_is_exact(shape, seed):
 @pytest.mark.parametrize("path", ["reference", "chunk"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_path_matches_spec_float32(framework, path, shape, seed):
+    """Each output within 1e-5 of the spec, or within 30 times the spec's own move when its inputs
+    are rounded to float32, where that is larger: a draw can make an output a sum that cancels
+    (at T = 1, db's dot product of U's gradient with a row of the state), and there any float32
+    arithmetic loses digits in proportion. Measured at that shape over 3000 draws: every path of
+    both frameworks within 1.2e-5 but four draws (up to 2.8e-5, the chunk path), each within 13.6
+    times that move."""
     case = shape.case(seed)
     result = RUNNERS[framework](case, "float32", shape.chunk_size, path)
-    error, name, _ = worst_error(result, case["expected"])
-    assert error <= 1e-5, (name, error)
+    _, _, errors = worst_error(result, case["expected"])
+    rounded = rounded_case(case, lambda x: x.astype(np.float32).astype(np.float64))["expected"]
+    for name, error in errors.items():
+        move = relative_error(rounded[name], case["expected"][name])
+        assert error <= max(1e-5, 30 * move), (name, error, move)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
