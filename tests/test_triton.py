@@ -130,10 +130,11 @@ def _bfloat16_products(monkeypatch, on: bool) -> None:
 @pytest.mark.parametrize("in_bfloat16", [None, WIDEST_BFLOAT16], ids=["default", "widest"])
 def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, monkeypatch):
     """The products on bfloat16 operands (the state forward's with the state and U split into two
-    bfloat16 parts, the output's qd S) give the widened products' results up to float32 rounding (a split value is within 2^-16 of its float32 one):
-    output, final state and saved buffers from several chunks on, with a hard reset and a NaN in
-    v (its columns NaN from its row on); and, with the default saved set, every gradient (with
-    one into the final state), which also stay within the bfloat16 tolerance of the spec."""
+    bfloat16 parts, the output's qd S) give the widened products' results up to float32 rounding
+    (a split value is within 2^-16 of its float32 one): output, final state and saved buffers
+    from several chunks on, with a hard reset and a NaN in v (its columns NaN from its row on);
+    and, with the default saved set, every gradient (with one into the final state), which also
+    stay within the bfloat16 tolerance of the spec."""
     if in_bfloat16 is not None:
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
 
