@@ -325,17 +325,16 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     fk = forward
     out["intra_forward"] = (
         fk._intra_forward_kernel,
-        dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), X_out=saved("inverse"), A_diagonal=f32, qd_out=saved("qd"),
+        dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, INVERSE_APART=fk.INVERSE_LAUNCH),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
         fk.INTRA_FORWARD_WARPS,
     )
-    if fk.INVERSE_LAUNCH:
-        out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, {}, fk.INVERSE_WARPS)
-        LOOP_TRIPS["inverse"] = [15]
-        PROGRAMS["inverse"] = chunks * heads
-    LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk)), 15]  # key blocks; the inverse's rows
+    LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
+    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, {}, fk.INVERSE_WARPS)
+    LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
+    PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed)
     out["wy"] = (

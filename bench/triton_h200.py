@@ -57,9 +57,11 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # X = (I + A)^{-1} in a launch of its own at one warp (and at two)
-    dict(INVERSE_LAUNCH=True),
-    dict(INVERSE_LAUNCH=True, INVERSE_WARPS=2),
+    # the intra-forward launch (no inverse in it now) at four warps (no spills), with key blocks
+    # of 32 (100 B of spills), and at one warp (224 B)
+    dict(INTRA_FORWARD_WARPS=4),
+    dict(INTRA_FORWARD_WARPS=4, INTRA_FORWARD_KEY_BLOCK=32),
+    dict(INTRA_FORWARD_WARPS=1),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

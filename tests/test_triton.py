@@ -486,27 +486,6 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
     assert (X[..., diagonal] == 1).all()  # the inverse of a unit lower triangular matrix
 
 
-@kernel_only
-@pytest.mark.parametrize("dtype, in_bfloat16", [(torch.float32, None), (torch.bfloat16, WIDEST_BFLOAT16)],
-                         ids=["float32", "bfloat16-widest"])  # A in X's own buffer; A in a scratch buffer
-def test_inverse_launch_matches_the_fused_inverse(dtype, in_bfloat16, seed, interpreter, monkeypatch):
-    """X = (I + A)^{-1} made by a launch of its own (``INVERSE_LAUNCH``, the intra-forward launch
-    storing A's tiles instead) is the fused inverse's bit for bit, and so is every other buffer of
-    the in-chunk launches (the inputs of the test above: hard resets, bad values, padded rows)."""
-    from gdn2.torch.triton import forward
-
-    if in_bfloat16 is not None:
-        monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-    results = []
-    for apart in (False, True):
-        monkeypatch.setattr(forward, "INVERSE_LAUNCH", apart)
-        results.append(_intra_forward_filled(False, dtype, seed))
-    (fused, fused_bad), (apart, apart_bad) = results
-    assert torch.equal(fused_bad, apart_bad)
-    for name in fused:
-        assert torch.equal(fused[name], apart[name]), name
-
-
 def _intra_forward_filled(packed, dtype, seed):
     """The buffers ``intra_forward`` fills (each first filled with NaN: every entry must be
     written) and ``first_bad``, on the inputs of ``test_intra_forward_writes_every_entry``."""

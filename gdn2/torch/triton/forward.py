@@ -1,16 +1,17 @@
 """Triton forward kernels of the chunked GDN-2 form (see ``gdn2/algorithm.py`` for the mathematics).
 
-Five launches:
+Six launches:
 
 * ``_diagonal_kernel`` (one program per 16-row sub-block and head, parallel): the diagonal 16x16
   tiles of the erase interactions ``A`` and of the query-key interactions ``P``, the rows in four
   groups of four (inside a group a chain of per-step decays, all groups at once; across groups
   the products below);
 * ``_intra_forward_kernel`` (one program per chunk and head, parallel): the other tiles of ``A``
-  and ``P`` as 16x16 register tiles and the inverse ``X = (I + A)^{-1}``; from the same key loop,
+  and ``P`` as 16x16 register tiles; from the same key loop,
   the decayed queries and keys the sequential pass and the output use, ``qd = q * exp(G)``,
   ``kd = k * exp(G_last - G)``, ``gamma = exp(G_last)``, and the decayed erase keys
   ``bkd = b * k * exp(G)``;
+* ``_inverse_kernel`` (one program per chunk and head, parallel): ``X = (I + A)^{-1}``;
 * ``_wy_kernel`` (one program per chunk and head, parallel): the WY products ``Wk = X bkd`` and
   ``Uw = X (w * v)``;
 * ``state_forward`` (one program per head and block of value columns, sequential over chunks):
@@ -56,11 +57,7 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# X = (I + A)^{-1} made by a launch of its own (_inverse_kernel, one warp) after the intra-forward
-# launch, which then stores A's tiles instead: a variant to time (without the inverse, A's
-# diagonal tiles not loaded, that launch took 0.99 ms against 1.22 in a timing-only probe).
-INVERSE_LAUNCH = False
-INVERSE_WARPS = 1
+INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -406,24 +403,24 @@ def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
 @triton.jit
 def _intra_forward_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    P_out, X_out,  # [B, H, N, 64, 64], float32 or bfloat16 (the saved dtypes)
-    A_diagonal,  # [B, H, N, 64, 64] float32: A's diagonal tiles from _diagonal_kernel (X_out itself when float32)
+    P_out,  # [B, H, N, 64, 64], float32 or bfloat16 (the saved dtype)
+    A_out,  # [B, H, N, 64, 64] float32, beside A's diagonal tiles from _diagonal_kernel
     qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, INVERSE_APART: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """The off-diagonal tiles of ``P`` and ``A`` of one chunk, then ``X = (I + A)^{-1}`` (with
-    ``INVERSE_APART``, A's tiles stored for ``_inverse_kernel`` instead).
+    """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
+    ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
+    launch's schedule with the substitution and the blocked products in it).
 
     Also the decayed queries and keys from the same key loop, ``qd = q exp(G)``, ``kd = k
     exp(G_last - G)``, ``gamma = exp(G_last)`` and the decayed erase keys ``bkd = b k exp(G)``
     (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``:
     products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
-    NaN or +inf g: ``key_first_bad_out``). P's tiles are stored before the inverse and X's as
-    soon as each is final, so that few tiles stay live through the inverse."""
+    NaN or +inf g: ``key_first_bad_out``)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -436,27 +433,20 @@ def _intra_forward_kernel(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    if INVERSE_APART:  # A's tiles beside its diagonal ones, for _inverse_kernel
-        A = A_diagonal + chunk * 64 * 64
-        _store_tile(A, 1, 0, A10)
-        _store_tile(A, 2, 0, A20)
-        _store_tile(A, 2, 1, A21)
-        _store_tile(A, 3, 0, A30)
-        _store_tile(A, 3, 1, A31)
-        _store_tile(A, 3, 2, A32)
-    else:
-        _store_inverse(X_out + chunk * 64 * 64, A_diagonal + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+    _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
 def _inverse_kernel(
-    A,  # [B, H, N, 64, 64] float32: A's lower tiles (X_out itself when float32)
+    A,  # [B, H, N, 64, 64] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 64, 64], float32 or bfloat16
 ):
-    """``X = (I + A)^{-1}`` of one chunk (``_store_inverse``), from A's tiles as the diagonal and
-    intra-forward launches stored them, so that the intra-forward launch loads nothing after its
-    key loop (sm_90a: 255 registers and 136 B of spills at one warp, 204 registers at two; the
-    exact float32 products hold the most)."""
+    """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
+    intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
+    read before X's tile in its place is written): the diagonal tiles by forward substitution, the
+    others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, all in float32,
+    each tile stored as soon as it is final, X's upper tiles zero. sm_90a: 255 registers and 136 B
+    of spills at one warp (the exact float32 products hold the most)."""
     chunk = tl.program_id(0).to(tl.int64) * 64 * 64
     A += chunk
     X_out += chunk
@@ -563,22 +553,10 @@ def _ieee(a, b):
 
 
 @triton.jit
-def _store_inverse(matrix, A_diagonal, A10, A20, A21, A30, A31, A32):
-    """``X = (I + A)^{-1}`` of one chunk, stored at ``matrix`` in its dtype: the diagonal tiles by
-    forward substitution (A's diagonal tiles are where ``_diagonal_kernel`` wrote them, float32 at
-    ``A_diagonal``: X's own buffer when X is float32, each read here before X's is written), the
-    others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, all in float32;
-    each tile stored as soon as it is final, X's upper tiles zero."""
-    X00, X11, X22, X33 = _store_inverse_diagonal(matrix, A_diagonal)
-    _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32)
-
-
-@triton.jit
-def _store_inverse_diagonal(matrix, A_diagonal):
-    """``_store_inverse``'s diagonal tiles (and the zero tiles above them), returned too."""
+def _store_inverse_diagonal(matrix, A):
+    """X's diagonal tiles (and the zero tiles above them), returned too."""
     X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-        _load_tile(A_diagonal, 0, 0), _load_tile(A_diagonal, 1, 1), _load_tile(A_diagonal, 2, 2),
-        _load_tile(A_diagonal, 3, 3))
+        _load_tile(A, 0, 0), _load_tile(A, 1, 1), _load_tile(A, 2, 2), _load_tile(A, 3, 3))
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 0, 1, zero)
@@ -595,7 +573,7 @@ def _store_inverse_diagonal(matrix, A_diagonal):
 
 @triton.jit
 def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32):
-    """``_store_inverse``'s tiles below the diagonal, by the blocked formula."""
+    """X's tiles below the diagonal, by the blocked formula."""
     X10 = -_ieee(X11, _ieee(A10, X00))
     _store_tile(matrix, 1, 0, X10)
     X21 = -_ieee(X22, _ieee(A21, X11))
@@ -618,15 +596,21 @@ def _store_P(matrix, P10, P20, P21, P30, P31, P32):
     _store_tile(matrix, 0, 1, zero)
     _store_tile(matrix, 0, 2, zero)
     _store_tile(matrix, 0, 3, zero)
-    _store_tile(matrix, 1, 0, P10)
     _store_tile(matrix, 1, 2, zero)
     _store_tile(matrix, 1, 3, zero)
-    _store_tile(matrix, 2, 0, P20)
-    _store_tile(matrix, 2, 1, P21)
     _store_tile(matrix, 2, 3, zero)
-    _store_tile(matrix, 3, 0, P30)
-    _store_tile(matrix, 3, 1, P31)
-    _store_tile(matrix, 3, 2, P32)
+    _store_below(matrix, P10, P20, P21, P30, P31, P32)
+
+
+@triton.jit
+def _store_below(matrix, T10, T20, T21, T30, T31, T32):
+    """The six 16x16 tiles below the diagonal of one chunk matrix, in its dtype."""
+    _store_tile(matrix, 1, 0, T10)
+    _store_tile(matrix, 2, 0, T20)
+    _store_tile(matrix, 2, 1, T21)
+    _store_tile(matrix, 3, 0, T30)
+    _store_tile(matrix, 3, 1, T31)
+    _store_tile(matrix, 3, 2, T32)
 
 
 @triton.jit
@@ -707,8 +691,8 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
 
 
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
-    """Launch the in-chunk kernels: the diagonal tiles, the rest of P and X with the decays, then
-    the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
+    """Launch the in-chunk kernels: the diagonal tiles, the rest of P and A with the decays, X,
+    then the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
     ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
     the first row with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X
@@ -719,22 +703,21 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     V = v.shape[-1]
     N = P.shape[2]
     table, packed = _table(chunk_table, P), chunk_table is not None
-    # A's diagonal tiles go into X's own buffer when it is float32 (X is formed over them), else
-    # into a float32 scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy
-    # the rounding of X alone does not).
-    A_diagonal = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-    diagonal(q, k, g, b, P, A_diagonal, dot_precision, chunk_table)
+    # A goes into X's own buffer when it is float32 (X is formed over it), else into a float32
+    # scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy the rounding of
+    # X alone does not).
+    A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
+    diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
     # else into a float32 scratch buffer dropped after the WY launch.
     bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
-        q, k, g, b, P, X, A_diagonal, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
+        q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, INVERSE_APART=INVERSE_LAUNCH, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
-    if INVERSE_LAUNCH:
-        _inverse_kernel[(B * H * N,)](A_diagonal, X, num_warps=INVERSE_WARPS, num_stages=1)
+    _inverse_kernel[(B * H * N,)](A, X, num_warps=INVERSE_WARPS, num_stages=1)
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
