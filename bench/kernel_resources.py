@@ -327,7 +327,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
@@ -336,7 +336,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
-                     PACKED=packed)
+                     PACKED=packed, STAGES=fk.WY_STAGES)
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
@@ -347,7 +347,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     PROGRAMS["wy"] = chunks * heads
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
-        fk._diagonal_kernel, diagonal_pointers, {}, dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed),
+        fk._diagonal_kernel, diagonal_pointers, {},
+        dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES),
         fk.DIAGONAL_WARPS,
     )
     LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]

@@ -57,11 +57,12 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the intra-forward launch (no inverse in it now) at four warps (no spills), with key blocks
-    # of 32 (100 B of spills), and at one warp (224 B)
-    dict(INTRA_FORWARD_WARPS=4),
-    dict(INTRA_FORWARD_WARPS=4, INTRA_FORWARD_KEY_BLOCK=32),
-    dict(INTRA_FORWARD_WARPS=1),
+    # the next key (value) blocks' loads issued ahead as asynchronous copies (1: none)
+    dict(INTRA_FORWARD_STAGES=2),
+    dict(INTRA_FORWARD_STAGES=3),
+    dict(DIAGONAL_STAGES=2),
+    dict(DIAGONAL_STAGES=3),
+    dict(WY_STAGES=2),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -57,6 +57,11 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
+# Key (and value) blocks whose loads Triton issues this many steps ahead, as asynchronous copies
+# to shared memory (1: none), in the diagonal, intra-forward and WY launches.
+DIAGONAL_STAGES = 1
+INTRA_FORWARD_STAGES = 1
+WY_STAGES = 1
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
@@ -230,6 +235,7 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 64, 64] (A float32; P float32 or bfloat16): this launch writes their diagonal 16x16 tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
@@ -245,7 +251,7 @@ def _diagonal_kernel(
     sequence = i_b * T * H * K + i_h * K
     tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
     _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
-                        first, end, H * K, K, BK, DOT)
+                        first, end, H * K, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -278,7 +284,7 @@ def _store_group_entry(tile, p: tl.constexpr, j: tl.constexpr, values):
 
 @triton.jit
 def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.constexpr, BK: tl.constexpr,
-                        DOT: tl.constexpr):
+                        DOT: tl.constexpr, STAGES: tl.constexpr):
     """One diagonal tile (inputs at the sequence and head, ``P_tile``, ``A_tile`` at the tile's
     first entry, ``first`` the sub-block's first token) from its rows in four groups of four.
 
@@ -305,7 +311,7 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
     P_far = P_near
     A_far = P_near
     group = tl.arange(0, 16)[:, None] % 4  # of a stacked row
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # inside the groups, step p: E_j = exp(g_{j+1} + ... + g_p) for the positions j < p
@@ -409,7 +415,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -431,7 +437,7 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT)
+        chunk, K, BK, DOT, STAGES)
     _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
     _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
@@ -459,7 +465,7 @@ def _inverse_kernel(
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -481,7 +487,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
@@ -615,12 +621,12 @@ def _store_below(matrix, T10, T20, T21, T30, T31, T32):
 
 @triton.jit
 def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
-                    BV: tl.constexpr, DOT: tl.constexpr):
+                    BV: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
     """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
     chunk's first row) and, per value column, its first bad row (``first_bad_out`` at the chunk):
     a non-finite v or w in that column, or ``first_key_bad``, whichever comes first."""
     rows = tl.arange(0, 64)
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=STAGES):
         cols = v0 + tl.arange(0, BV)
         col_ok = cols < V
         offsets = t[:, None] * (H * V) + cols[None, :]
@@ -645,7 +651,7 @@ def _wy_kernel(
     Uw_out,  # [B, H, N * 64, V]
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
@@ -665,7 +671,7 @@ def _wy_kernel(
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
@@ -674,7 +680,7 @@ def _wy_kernel(
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
     _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
-                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
+                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT, STAGES)
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
@@ -686,7 +692,7 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=chunk_table is not None, num_warps=DIAGONAL_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, num_warps=DIAGONAL_WARPS, num_stages=1,
     )
 
 
@@ -715,13 +721,13 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
     _inverse_kernel[(B * H * N,)](A, X, num_warps=INVERSE_WARPS, num_stages=1)
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
+        DOT=dot_precision, PACKED=packed, STAGES=WY_STAGES, num_warps=WY_WARPS, num_stages=1,
     )
 
 
