@@ -392,13 +392,13 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         bw._intra_backward_contract_kernel,
         dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=f32, d_U=f32, inverse=saved("inverse"), d_qd=f32,
              d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
-        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
+        dict(scale="fp32"), dict(blocks, STAGES=bw.CONTRACT_STAGES), bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
         dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp, d_U=f32,
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
-        dict(scale="fp32"), blocks, bw.INTRA_BACKWARD_WARPS,
+        dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES), bw.INTRA_BACKWARD_WARPS,
     )
     LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]
     LOOP_TRIPS["intra_backward_values"] = [-(-V // blocks["BV"]), key_blocks_of(blocks["BKB"])]

@@ -108,6 +108,10 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64 was slower)
+# Value (and key) blocks whose loads Triton issues this many steps ahead, as asynchronous copies
+# to shared memory (1: none), in the contraction and value launches.
+CONTRACT_STAGES = 1
+VALUES_STAGES = 1
 
 
 @triton.jit
@@ -116,6 +120,7 @@ def _intra_backward_contract_kernel(
     d_qd, d_kd, d_bkd, d_gamma,  # outputs: [B, H, N * C, K] x3, [B, H, N, K] float32
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The state-sized contractions for one block of key columns: the gradients of the decayed
     queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
@@ -137,7 +142,7 @@ def _intra_backward_contract_kernel(
     d_k_to_end = tl.zeros((C, BKB), dtype=tl.float32)
     d_Wk = tl.zeros((C, BKB), dtype=tl.float32)
     d_decay = tl.zeros((BKB,), dtype=tl.float32)
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=STAGES):
         cols_v = v0 + tl.arange(0, BV)
         v_ok = cols_v < V
         state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
@@ -171,6 +176,7 @@ def _intra_backward_values_kernel(
     dv, dw,  # outputs, shapes and dtypes of v and w
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -189,7 +195,7 @@ def _intra_backward_values_kernel(
     # 1. Value side: dP = scale dO U^T, dA = -(d_wv Uw^T), dv, dw.
     d_P = tl.zeros((C, C), dtype=tl.float32)
     d_A = tl.zeros((C, C), dtype=tl.float32)
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=STAGES):
         cols_v = v0 + tl.arange(0, BV)
         v_ok = cols_v < V
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
@@ -208,7 +214,7 @@ def _intra_backward_values_kernel(
         d_A -= tl.dot(d_wv, tl.trans(Uw_tile), input_precision=DOT)
 
     # 2. Key side of dA: -(inverse^T dWk) Wk^T, with inverse^T dWk from the contraction launch.
-    for k0 in range(0, K, BKB):
+    for k0 in tl.range(0, K, BKB, num_stages=STAGES):
         cols_k = k0 + tl.arange(0, BKB)
         padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
         k_ok = (rows >= 0)[:, None] & (cols_k < K)[None, :]
@@ -486,7 +492,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=CONTRACT_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
@@ -502,7 +508,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=VALUES_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
     )
     return dv, dw, d_A, d_P
 
