@@ -112,6 +112,7 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 # to shared memory (1: none), in the contraction and value launches.
 CONTRACT_STAGES = 3  # 10.876 -> 10.656 ms forward+backward (2: 10.861)
 VALUES_STAGES = 2  # 10.876 -> 10.802
+KEYS_STAGES = 1  # the keys launch's loops over the other sub-blocks
 
 
 @triton.jit
@@ -312,7 +313,7 @@ def _intra_backward_keys_kernel(
     d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
-    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -350,7 +351,7 @@ def _intra_backward_keys_kernel(
     from_earlier_A = tl.zeros((16, BKB), dtype=tl.float32)
     from_earlier_P = tl.zeros((16, BKB), dtype=tl.float32)
     between = tl.full((BKB,), 1.0, tl.float32)
-    for J_step in range(I):
+    for J_step in tl.range(0, I, num_stages=STAGES):
         J = I - 1 - J_step
         k_J = _rows(k, chunk_first + J * 16, end, HK, cols_k, k_ok, 0)
         right_J = tl.exp(tl.cumsum(_rows(g, chunk_first + J * 16, end, HK, cols_k, k_ok, 1), 0, reverse=True))
@@ -368,7 +369,7 @@ def _intra_backward_keys_kernel(
     # of every sub-block after I.
     to_later = tl.zeros((16, BKB), dtype=tl.float32)
     between = tl.full((BKB,), 1.0, tl.float32)
-    for I2 in range(I + 1, 4):
+    for I2 in tl.range(I + 1, 4, num_stages=STAGES):
         first2 = chunk_first + I2 * 16
         g2 = _rows(g, first2, end, HK, cols_k, k_ok, 0)
         left2 = tl.exp(tl.cumsum(g2, 0)) * between[None, :]
@@ -523,8 +524,8 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
-        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, num_warps=INTRA_BACKWARD_KEYS_WARPS,
-        num_stages=1,
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, STAGES=KEYS_STAGES,
+        num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
         d_qd, sub_block_sums, gamma, d_gamma, dg, _table(chunk_table, q), T, H, K, N, BKB=BKB,

@@ -67,6 +67,7 @@ STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
+OUTPUT_STAGES = 1  # key blocks of the output's loop whose loads are issued ahead (1: none)
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
 # state and U split into two bfloat16 parts each (``_split_dot``; Wk and kd bfloat16), the
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
@@ -824,6 +825,7 @@ def _output_kernel(
     qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -839,7 +841,7 @@ def _output_kernel(
     P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
     out = tl.dot(P_tile, U_tile, input_precision=DOT)
     state_base = (i_bh * N + i_n) * K * V
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         cols_k = k0 + tl.arange(0, BK)
         k_ok = cols_k < K
         qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
@@ -868,7 +870,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
-        num_warps=OUTPUT_WARPS, num_stages=1,
+        STAGES=OUTPUT_STAGES, num_warps=OUTPUT_WARPS, num_stages=1,
     )
 
 
