@@ -336,7 +336,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
-                     PACKED=packed, STAGES=fk.WY_STAGES)
+                     PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
@@ -369,7 +369,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed,
-             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16", STAGES=fk.OUTPUT_STAGES),
+             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
         fk.OUTPUT_WARPS,
     )
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]

@@ -57,9 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the next key (value) blocks' loads issued ahead as asynchronous copies (1: none)
-    dict(KEYS_STAGES=2),
-    dict(OUTPUT_STAGES=2),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -108,11 +108,12 @@ INTRA_BACKWARD_VALUE_BLOCK = 32
 INTRA_BACKWARD_WARPS = 8
 INTRA_BACKWARD_KEYS_WARPS = 4
 INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64 was slower)
-# Value (and key) blocks whose loads Triton issues this many steps ahead, as asynchronous copies
-# to shared memory (1: none), in the contraction and value launches.
-CONTRACT_STAGES = 3  # 10.876 -> 10.656 ms forward+backward (2: 10.861)
-VALUES_STAGES = 2  # 10.876 -> 10.802
-KEYS_STAGES = 1  # the keys launch's loops over the other sub-blocks
+# Loop steps whose loads Triton issues this many steps ahead, as asynchronous copies to shared
+# memory (1: none): the contraction's and the value launch's value (and key) blocks, the keys
+# launch's loops over the other sub-blocks (H200, forward+backward ms).
+CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861; 4: 10.510 against 10.523)
+VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
+KEYS_STAGES = 2  # 10.532 -> 10.476
 
 
 @triton.jit

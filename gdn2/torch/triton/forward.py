@@ -57,17 +57,15 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 64
 INTRA_FORWARD_KEY_BLOCK = 16
-# Key (and value) blocks whose loads Triton issues this many steps ahead, as asynchronous copies
-# to shared memory (1: none), in the diagonal, intra-forward and WY launches.
+# Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
+# memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
-WY_STAGES = 1
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
-OUTPUT_STAGES = 1  # key blocks of the output's loop whose loads are issued ahead (1: none)
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
 # state and U split into two bfloat16 parts each (``_split_dot``; Wk and kd bfloat16), the
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
@@ -622,12 +620,12 @@ def _store_below(matrix, T10, T20, T21, T30, T31, T32):
 
 @triton.jit
 def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
-                    BV: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+                    BV: tl.constexpr, DOT: tl.constexpr):
     """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
     chunk's first row) and, per value column, its first bad row (``first_bad_out`` at the chunk):
     a non-finite v or w in that column, or ``first_key_bad``, whichever comes first."""
     rows = tl.arange(0, 64)
-    for v0 in tl.range(0, V, BV, num_stages=STAGES):
+    for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         col_ok = cols < V
         offsets = t[:, None] * (H * V) + cols[None, :]
@@ -652,7 +650,7 @@ def _wy_kernel(
     Uw_out,  # [B, H, N * 64, V]
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
@@ -672,7 +670,7 @@ def _wy_kernel(
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
@@ -681,7 +679,7 @@ def _wy_kernel(
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
     _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
-                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT, STAGES)
+                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
@@ -728,7 +726,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-        DOT=dot_precision, PACKED=packed, STAGES=WY_STAGES, num_warps=WY_WARPS, num_stages=1,
+        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
     )
 
 
@@ -825,7 +823,6 @@ def _output_kernel(
     qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -841,7 +838,7 @@ def _output_kernel(
     P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
     out = tl.dot(P_tile, U_tile, input_precision=DOT)
     state_base = (i_bh * N + i_n) * K * V
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    for k0 in range(0, K, BK):
         cols_k = k0 + tl.arange(0, BK)
         k_ok = cols_k < K
         qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
@@ -870,7 +867,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
-        STAGES=OUTPUT_STAGES, num_warps=OUTPUT_WARPS, num_stages=1,
+        num_warps=OUTPUT_WARPS, num_stages=1,
     )
 
 
