@@ -465,13 +465,13 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
     (False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, WIDEST_BFLOAT16)],
     ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest"])
 def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, interpreter, monkeypatch):
-    """The in-chunk launches write every entry of the buffers they fill (P's tiles stored before
-    the inverse, X's as each is final, the upper tiles zero), on random inputs with hard resets
+    """The in-chunk launches write every entry of the buffers they fill (P's tiles and X's, the
+    upper tiles zero), on random inputs with hard resets
     (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
     +inf in v and in w, padded rows and a partial last block of key columns (K = 40): buffers
     filled with NaN come back finite, first_bad marks the bad chunks and columns only. Also with
-    every buffer that can be bfloat16 in bfloat16 (A's diagonal tiles then in a float32 scratch
-    buffer, X rounded on its store)."""
+    every buffer that can be bfloat16 in bfloat16 (A then in a float32 scratch buffer, X rounded
+    on its store)."""
     if in_bfloat16 is not None:
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
     filled, first_bad = _intra_forward_filled(packed, dtype, seed)
