@@ -326,7 +326,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["intra_forward"] = (
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
-             kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
+             kd_out=saved("kd"), bkd_out=saved("Wk") if fk.BKD_IN_WK else f32, gamma_out=f32, key_first_bad_out="i32",
+             chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
@@ -339,7 +340,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                      PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
-        dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
+        dict(v=inp, w=inp, X=saved("inverse"), bkd=saved("Wk") if fk.BKD_IN_WK else f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
              first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )

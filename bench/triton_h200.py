@@ -57,6 +57,8 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
+    # b k exp(G) handed to the WY launch in Wk's own (bfloat16) buffer
+    dict(BKD_IN_WK=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

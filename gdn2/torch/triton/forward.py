@@ -62,6 +62,9 @@ INTRA_FORWARD_KEY_BLOCK = 16
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
+# b k exp(G) handed from the intra-forward launch to the WY launch in Wk's own buffer, in Wk's
+# dtype (bfloat16 when saved so: half the bytes, one more rounding), not a float32 scratch buffer.
+BKD_IN_WK = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -644,7 +647,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
     X,  # [B, H, N, 64, 64] float32 or bfloat16, from _intra_forward_kernel
-    bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
+    bkd,  # [B, H, N * 64, K] float32 (or Wk's dtype): b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
@@ -714,8 +717,9 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
     diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
-    # else into a float32 scratch buffer dropped after the WY launch.
-    bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
+    # else into a float32 scratch buffer dropped after the WY launch (BKD_IN_WK: into Wk's own
+    # buffer whatever its dtype).
+    bkd = Wk if Wk.dtype == torch.float32 or BKD_IN_WK else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
