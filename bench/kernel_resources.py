@@ -357,10 +357,13 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,
-             states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
-        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
-                 PACKED=packed, STAGES=fk.STATE_STAGES,
-                 SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("Wk") == saved("kd") == "bf16"),
+             states=saved_states, U_out=saved("U"), final_state=f32, qd=saved("qd"), P=saved("P"), o=inp,
+             sequence_chunks="i32", chunk_table="i32"),
+        dict(scale="fp32"), dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
+                                 PACKED=packed, STAGES=fk.STATE_STAGES,
+                                 SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("Wk") == saved("kd") == "bf16",
+                                 OUTPUT=fk.OUTPUT_IN_STATE_PASS,
+                                 BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]

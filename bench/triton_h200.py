@@ -59,6 +59,10 @@ VARIANTS: list[dict] = [
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
     # b k exp(G) handed to the WY launch in Wk's own (bfloat16) buffer
     dict(BKD_IN_WK=True),
+    # each chunk's output made by the state pass (no output launch); with its loads ahead (192.8
+    # KiB of shared memory: one program per multiprocessor, two waves) and without (176 B of spills)
+    dict(OUTPUT_IN_STATE_PASS=True),
+    dict(OUTPUT_IN_STATE_PASS=True, STATE_STAGES=1),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

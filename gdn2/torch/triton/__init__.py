@@ -30,7 +30,7 @@ from triton.errors import TritonError
 
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from ...packing import SequenceOffsets
-from .forward import CHUNK, intra_forward, output, state_forward
+from .forward import CHUNK, intra_forward, state_forward_and_output
 from .interpreter import correct_bfloat16
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
@@ -146,9 +146,9 @@ def _forward(
     intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision, chunk_table)
     initial = None if initial_state is None else initial_state.contiguous()
     final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device)
-    state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision, sequence_chunks)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    output(qd, P, states, U, first_bad, o, scale, precision, chunk_table)
+    state_forward_and_output(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, qd, P, o, scale, precision,
+                             sequence_chunks, chunk_table)
     return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 
 

@@ -75,6 +75,9 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
+# Each chunk's output made by the state pass from the S and U it holds (no output launch, S and U
+# not read back), instead of by the parallel output launch: a variant to time.
+OUTPUT_IN_STATE_PASS = False
 
 
 @triton.jit
@@ -738,11 +741,15 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
 def _state_forward_kernel(
     Wk, kd, Uw, gamma, first_bad,  # [B, H, N * 64, K | K | V], [B, H, N, K], [B, H, N, V] int32
     initial_state, states, U_out, final_state,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
-    sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
+    qd, P, o,  # with OUTPUT: [B, H, N * 64, K], [B, H, N, 64, 64], [B, T, H, V] (o written here)
+    sequence_chunks, chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, OUTPUT: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
 ):
+    """The sequential pass over one state row's chunks (see ``state_forward``); with ``OUTPUT``,
+    also each chunk's output ``o = scale (qd S + P U)`` as ``_output_kernel`` makes it (S the
+    state entering the chunk as stored, U as stored), so that S and U are not read back."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -757,10 +764,13 @@ def _state_forward_kernel(
         state = tl.load(initial_state + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         state = tl.zeros((BK, BV), dtype=tl.float32)
+    if OUTPUT:
+        o += (head // H) * T * H * V + (head % H) * V  # the batch row (0 when packed) and head
     # The next chunks' Wk, kd and Uw do not depend on the state: with STAGES > 1 their loads are
     # issued ahead, while this chunk's products run.
     for i_n in tl.range(chunk_first, chunk_end, num_stages=STAGES):
-        tl.store(states + (head * N + i_n) * K * V + state_offsets, state.to(states.dtype.element_ty), mask=state_mask)
+        stored = state.to(states.dtype.element_ty)
+        tl.store(states + (head * N + i_n) * K * V + state_offsets, stored, mask=state_mask)
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
@@ -788,10 +798,35 @@ def _state_forward_kernel(
             state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(tl.float32), input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
-        poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
-        state = tl.where(poisoned[None, :], float("nan"), state)
+        poisoned_from = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64)
+        state = tl.where((poisoned_from < 64)[None, :], float("nan"), state)
+        if OUTPUT:
+            _chunk_output(qd, P, o, stored, U, poisoned_from, keys, k_ok, cols_v, v_ok, head * N + i_n,
+                          _chunk_span(chunk_table, i_n, T, PACKED), scale, H, V, DOT, BFLOAT16_PRODUCT)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
+
+
+@triton.jit
+def _chunk_output(qd, P, o, S, U, poisoned_from, keys, k_ok, cols_v, v_ok, chunk, span, scale, H,
+                  V: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr):
+    """One chunk's ``o = scale (qd S + P U)`` for the value columns ``cols_v`` (S and U as stored;
+    ``keys`` the chunk's offsets into qd; ``chunk`` its index in the head-major chunk buffers;
+    ``span`` its first token and end; ``o`` at the batch row and head), NaN from each column's
+    first bad row, as ``_output_kernel``."""
+    rows = tl.arange(0, 64)
+    P_tile = tl.load(P + chunk * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
+    out = tl.dot(P_tile, U.to(tl.float32), input_precision=DOT)
+    qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
+    if BFLOAT16_PRODUCT:  # both bfloat16 as stored: their tensor-core product is exact as it is
+        out = tl.dot(qd_tile, S, out)
+    else:
+        out += tl.dot(qd_tile.to(tl.float32), S.to(tl.float32), input_precision=DOT)
+    out = tl.where(rows[:, None] >= poisoned_from[None, :], float("nan"), out)
+    first, end = span
+    t = first + rows
+    offsets = t[:, None] * (H * V) + cols_v[None, :]
+    tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < end)[:, None] & v_ok[None, :])
 
 
 def value_block(V: int, programs_per_block: int) -> int:
@@ -804,22 +839,40 @@ def value_block(V: int, programs_per_block: int) -> int:
 
 
 def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
-                  sequence_chunks=None) -> None:
+                  sequence_chunks=None, output_of=None) -> None:
     """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``), one
-    program per state row (batch row, or sequence with ``sequence_chunks``) and head."""
+    program per state row (batch row, or sequence with ``sequence_chunks``) and head. With
+    ``output_of = (qd, P, o, scale, chunk_table)`` it writes ``o`` too (``_chunk_output``)."""
     B, H, N, K, V = states.shape
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
+    qd, P, o, scale, chunk_table = output_of if output_of is not None else (states, states, states, 1.0, None)
+    T = o.shape[1] if output_of is not None else 1
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
-        states, U, final_state if final_state is not None else states,
-        _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
+        states, U, final_state if final_state is not None else states, qd, P, o,
+        _table(sequence_chunks, states), _table(chunk_table, states), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
-        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, OUTPUT=output_of is not None,
+        BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
+        num_warps=STATE_WARPS, num_stages=1,
     )
+
+
+def state_forward_and_output(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, qd, P, o,
+                             scale: float, dot_precision: str, sequence_chunks=None, chunk_table=None) -> None:
+    """The sequential pass and the output: one launch with ``OUTPUT_IN_STATE_PASS``, else the
+    state pass, then ``output``'s parallel launch."""
+    if OUTPUT_IN_STATE_PASS:
+        state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision,
+                      sequence_chunks, output_of=(qd, P, o, scale, chunk_table))
+    else:
+        state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision,
+                      sequence_chunks)
+        output(qd, P, states, U, first_bad, o, scale, dot_precision, chunk_table)
 
 
 @triton.jit
