@@ -764,8 +764,7 @@ def _state_forward_kernel(
         state = tl.load(initial_state + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         state = tl.zeros((BK, BV), dtype=tl.float32)
-    if OUTPUT:
-        o += (head // H) * T * H * V + (head % H) * V  # the batch row (0 when packed) and head
+    o_row_head = (head // H) * T * H * V + (head % H) * V  # o's batch row (0 when packed) and head
     # The next chunks' Wk, kd and Uw do not depend on the state: with STAGES > 1 their loads are
     # issued ahead, while this chunk's products run.
     for i_n in tl.range(chunk_first, chunk_end, num_stages=STAGES):
@@ -801,19 +800,19 @@ def _state_forward_kernel(
         poisoned_from = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64)
         state = tl.where((poisoned_from < 64)[None, :], float("nan"), state)
         if OUTPUT:
-            _chunk_output(qd, P, o, stored, U, poisoned_from, keys, k_ok, cols_v, v_ok, head * N + i_n,
+            _chunk_output(qd, P, o, o_row_head, stored, U, poisoned_from, keys, k_ok, cols_v, v_ok, head * N + i_n,
                           _chunk_span(chunk_table, i_n, T, PACKED), scale, H, V, DOT, BFLOAT16_PRODUCT)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
 
 
 @triton.jit
-def _chunk_output(qd, P, o, S, U, poisoned_from, keys, k_ok, cols_v, v_ok, chunk, span, scale, H,
+def _chunk_output(qd, P, o, o_row_head, S, U, poisoned_from, keys, k_ok, cols_v, v_ok, chunk, span, scale, H,
                   V: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr):
     """One chunk's ``o = scale (qd S + P U)`` for the value columns ``cols_v`` (S and U as stored;
     ``keys`` the chunk's offsets into qd; ``chunk`` its index in the head-major chunk buffers;
-    ``span`` its first token and end; ``o`` at the batch row and head), NaN from each column's
-    first bad row, as ``_output_kernel``."""
+    ``span`` its first token and end; ``o_row_head`` o's offset of the batch row and head), NaN
+    from each column's first bad row, as ``_output_kernel``."""
     rows = tl.arange(0, 64)
     P_tile = tl.load(P + chunk * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
     out = tl.dot(P_tile, U.to(tl.float32), input_precision=DOT)
@@ -825,7 +824,7 @@ def _chunk_output(qd, P, o, S, U, poisoned_from, keys, k_ok, cols_v, v_ok, chunk
     out = tl.where(rows[:, None] >= poisoned_from[None, :], float("nan"), out)
     first, end = span
     t = first + rows
-    offsets = t[:, None] * (H * V) + cols_v[None, :]
+    offsets = o_row_head + t[:, None] * (H * V) + cols_v[None, :]
     tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < end)[:, None] & v_ok[None, :])
 
 
