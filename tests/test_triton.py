@@ -307,6 +307,11 @@ def test_unsupported_reasons(monkeypatch):
     assert kernel.unsupported_reason(x, x, tall, x, x, tall, None, 64) == "V=260 > 256"
     double = x.double()
     assert "float64" in kernel.unsupported_reason(*(double,) * 6, None, 64)
+    # a batch row past 32-bit offsets (expanded views: no memory); one token less fits
+    for T, reason in ((2 ** 20, "32-bit offsets"), (2 ** 20 - 1, None)):
+        long_row = torch.zeros(1, 1, 1, 1).expand(1, T, 16, 128)
+        got = kernel.unsupported_reason(*(long_row,) * 6, None, 64)
+        assert got is None if reason is None else reason in got, (T, got)
 
 
 def test_fallback_to_chunk_path_with_one_warning(seed, monkeypatch):

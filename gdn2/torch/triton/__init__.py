@@ -81,6 +81,9 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
         return f"K={K} > {MAX_DIM}"
     if V > MAX_DIM:
         return f"V={V} > {MAX_DIM}"
+    T, H = q.shape[1], q.shape[2]
+    if T * H * max(K, V) >= 2 ** 31:  # offsets inside a batch row (or a packed batch) are int32 in the kernels
+        return f"T*H*max(K, V) = {T}*{H}*{max(K, V)} >= 2^31: the kernels address a batch row with 32-bit offsets"
     return None
 
 
