@@ -333,7 +333,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
-    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, {}, fk.INVERSE_WARPS)
+    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, dict(PRECISION=fk.INVERSE_PRODUCTS),
+                      fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,

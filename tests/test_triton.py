@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 from gdn2.paths import forget_announcements  # noqa: E402
 from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
-from gdn2.testing import make_case, rounded_case, run_torch, worst_error  # noqa: E402
+from gdn2.testing import make_case, rounded_case, run_torch, with_expected, worst_error  # noqa: E402
 from gdn2.torch.ops import which_path  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
@@ -117,6 +117,23 @@ def test_kernel_bfloat16_saved_buffers_widest(seed, interpreter, monkeypatch):
     result = run_torch(case, "bfloat16", path="kernel")
     error, name, errors = worst_error(result, case["expected"])
     assert error <= 2e-2, (seed, name, errors)
+
+
+@kernel_only
+def test_inverse_products_in_tf32_run(seed, interpreter, monkeypatch):
+    """The blocked inverse's products in TF32 (``INVERSE_PRODUCTS``) reach the right tiles: output,
+    final state and every gradient against the spec in float32 with a hard reset. The interpreter
+    computes a TF32 product in float32, so TF32's rounding itself is measured on the GPU only
+    (``bench/triton_h200.py``'s check of the variant)."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "INVERSE_PRODUCTS", "tf32")
+    case = make_case(1, 130, 2, 32, 24, seed, log_decay_range=(-1.0, 0.0))  # slow decay: A's far tiles count
+    case["inputs"]["g"][0, 70, 1] = -np.inf
+    case = with_expected(case)
+    result = run_torch(case, "float32", path="kernel")
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 1e-4, (seed, name, errors)
 
 
 @kernel_only

@@ -62,6 +62,9 @@ INTRA_FORWARD_KEY_BLOCK = 16
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
+# The blocked inverse's 16x16 products: exact float32 ("ieee"), or "tf32" as fla's (a variant to
+# time; inside the intra-forward launch it changed neither the time nor the errors, 52a10e9).
+INVERSE_PRODUCTS = "ieee"
 # b k exp(G) handed from the intra-forward launch to the WY launch in Wk's own buffer, in Wk's
 # dtype (bfloat16 when saved so: half the bytes, one more rounding), not a float32 scratch buffer.
 BKD_IN_WK = False
@@ -451,6 +454,7 @@ def _intra_forward_kernel(
 def _inverse_kernel(
     A,  # [B, H, N, 64, 64] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 64, 64], float32 or bfloat16
+    PRECISION: tl.constexpr,  # of the blocked products (INVERSE_PRODUCTS)
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
@@ -465,7 +469,7 @@ def _inverse_kernel(
     # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
     # through it
     _store_inverse_below(X_out, X00, X11, X22, X33, _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1),
-                         _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2))
+                         _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2), PRECISION)
 
 
 @triton.jit
@@ -558,9 +562,10 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
 
 @triton.jit
-def _ieee(a, b):
-    """An exact float32 product ("tf32x3", three tensor-core passes, measured slower on the H200)."""
-    return tl.dot(a, b, input_precision="ieee")
+def _blocked(a, b, PRECISION: tl.constexpr):
+    """A 16x16 product of the blocked inverse: exact float32 ("ieee"; "tf32x3", three tensor-core
+    passes, measured slower on the H200), or "tf32" (``INVERSE_PRODUCTS``)."""
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -583,19 +588,20 @@ def _store_inverse_diagonal(matrix, A):
 
 
 @triton.jit
-def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32):
-    """X's tiles below the diagonal, by the blocked formula."""
-    X10 = -_ieee(X11, _ieee(A10, X00))
+def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32, PRECISION: tl.constexpr):
+    """X's tiles below the diagonal, by the blocked formula (products in ``PRECISION``)."""
+    X10 = -_blocked(X11, _blocked(A10, X00, PRECISION), PRECISION)
     _store_tile(matrix, 1, 0, X10)
-    X21 = -_ieee(X22, _ieee(A21, X11))
+    X21 = -_blocked(X22, _blocked(A21, X11, PRECISION), PRECISION)
     _store_tile(matrix, 2, 1, X21)
-    X20 = -_ieee(X22, _ieee(A20, X00) + _ieee(A21, X10))
+    X20 = -_blocked(X22, _blocked(A20, X00, PRECISION) + _blocked(A21, X10, PRECISION), PRECISION)
     _store_tile(matrix, 2, 0, X20)
-    X32 = -_ieee(X33, _ieee(A32, X22))
+    X32 = -_blocked(X33, _blocked(A32, X22, PRECISION), PRECISION)
     _store_tile(matrix, 3, 2, X32)
-    X31 = -_ieee(X33, _ieee(A31, X11) + _ieee(A32, X21))
+    X31 = -_blocked(X33, _blocked(A31, X11, PRECISION) + _blocked(A32, X21, PRECISION), PRECISION)
     _store_tile(matrix, 3, 1, X31)
-    X30 = -_ieee(X33, _ieee(A30, X00) + _ieee(A31, X10) + _ieee(A32, X20))
+    X30 = -_blocked(X33, _blocked(A30, X00, PRECISION) + _blocked(A31, X10, PRECISION) + _blocked(A32, X20, PRECISION),
+                    PRECISION)
     _store_tile(matrix, 3, 0, X30)
 
 
@@ -729,7 +735,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
-    _inverse_kernel[(B * H * N,)](A, X, num_warps=INVERSE_WARPS, num_stages=1)
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=INVERSE_PRODUCTS, num_warps=INVERSE_WARPS, num_stages=1)
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
