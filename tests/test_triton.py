@@ -212,11 +212,21 @@ def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, mon
     if in_bfloat16 is not None:
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
 
-    def close(name, widened, split, tolerance):
+    def close(name, widened, split, tolerance, bfloat16):
+        """The difference's norm within ``tolerance`` of the widened's, leaving out, with bfloat16
+        results, the entries one rounding step apart (a value that lands near a tie rounds either
+        way, whatever its float32 difference); at most 1% of the entries may be such (a bias of
+        a tenth of a step would move about a tenth of them)."""
         ok = ~torch.isnan(widened)
         assert torch.equal(ok, ~torch.isnan(split)), name
-        difference = (split.double() - widened.double())[ok].norm() / widened.double()[ok].norm()
-        assert difference <= tolerance, (name, difference.item())
+        widened, split = widened.double()[ok], split.double()[ok]
+        difference = split - widened
+        if bfloat16:
+            magnitude = torch.maximum(widened.abs(), split.abs()).clamp_min(1e-30)
+            one_step = (difference != 0) & (difference.abs() <= 2.0 ** (torch.floor(torch.log2(magnitude)) - 7))
+            assert one_step.sum() <= 0.01 * one_step.numel(), (name, one_step.sum().item(), one_step.numel())
+            difference = difference[~one_step]
+        assert difference.norm() / widened.norm() <= tolerance, (name, (difference.norm() / widened.norm()).item())
 
     case = make_case(1, 200, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
@@ -229,9 +239,8 @@ def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, mon
     o = results[0][0]
     assert torch.isnan(o[0, 150:, 0, 5]).all() and not torch.isnan(o[0, :150]).any()
     for name, widened, split in zip(("o", "final_state") + kernel.SAVED, results[0], results[1]):
-        # measured: up to 7e-6 (a bfloat16 entry one rounding step apart where its sum lands near
-        # a tie), 2.6e-6 in float32
-        close(name, widened, split, 1e-4 if split.dtype == torch.bfloat16 else 2e-5)
+        # measured up to 2.6e-6 in float32
+        close(name, widened, split, 1e-4 if split.dtype == torch.bfloat16 else 2e-5, split.dtype == torch.bfloat16)
 
     if in_bfloat16 is not None:
         return  # the gradients through the widest saved set: test_kernel_bfloat16_saved_buffers_widest
@@ -242,8 +251,13 @@ def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, mon
         gradients.append(run_torch(case, "bfloat16", path="kernel"))
     error, name, errors = worst_error(gradients[1], case["expected"])
     assert error <= 2e-2, (seed, name, errors)
-    for name in gradients[0]:  # bfloat16 gradients (dg, a sum of cancelling terms: up to 6.3e-5 measured)
-        close(name, torch.as_tensor(np.asarray(gradients[0][name])), torch.as_tensor(np.asarray(gradients[1][name])), 5e-4)
+    # bfloat16 gradients. Whole differences measured over 34 seeds up to 4.5e-4 (dg, a sum of
+    # cancelling terms: up to 1.4e-5), and 8.1e-4 at seed 2838998214, where 9 of dg's 16,640
+    # entries moved one rounding step (the largest 0.1260 against 0.1250, the spec's 0.1256) and
+    # the rest 9e-10.
+    for name in gradients[0]:  # o and the inputs' gradients in bfloat16; the state's and its gradient in float32
+        close(name, torch.as_tensor(np.asarray(gradients[0][name])), torch.as_tensor(np.asarray(gradients[1][name])), 5e-4,
+              name not in ("final_state", "dinitial_state"))
 
 
 @kernel_only
