@@ -323,11 +323,11 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
+    bkd = saved("Wk") if fk.BKD_IN_WK else f32  # b k exp(G) as the intra-forward launch hands it to the WY launch
     out["intra_forward"] = (
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
-             kd_out=saved("kd"), bkd_out=saved("Wk") if fk.BKD_IN_WK else f32, gamma_out=f32, key_first_bad_out="i32",
-             chunk_table="i32"), {},
+             kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
@@ -341,7 +341,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                      PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
-        dict(v=inp, w=inp, X=saved("inverse"), bkd=saved("Wk") if fk.BKD_IN_WK else f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
+        dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
              first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
