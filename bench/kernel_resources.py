@@ -323,17 +323,16 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
-    bkd = saved("Wk") if fk.BKD_IN_WK else f32  # b k exp(G) as the intra-forward launch hands it to the WY launch
     out["intra_forward"] = (
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
-             kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
+             kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
-    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, dict(PRECISION=fk.INVERSE_PRODUCTS),
+    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, dict(PRECISION=dot),
                       fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
@@ -341,7 +340,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                      PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
-        dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
+        dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
              first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
@@ -358,13 +357,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,
-             states=saved_states, U_out=saved("U"), final_state=f32, qd=saved("qd"), P=saved("P"), o=inp,
-             sequence_chunks="i32", chunk_table="i32"),
-        dict(scale="fp32"), dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
-                                 PACKED=packed, STAGES=fk.STATE_STAGES,
-                                 SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("Wk") == saved("kd") == "bf16",
-                                 OUTPUT=fk.OUTPUT_IN_STATE_PASS,
-                                 BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
+             states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
+        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
+                 PACKED=packed, STAGES=fk.STATE_STAGES,
+                 SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("Wk") == saved("kd") == "bf16"),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]

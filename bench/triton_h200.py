@@ -57,14 +57,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # b k exp(G) handed to the WY launch in Wk's own (bfloat16) buffer
-    dict(BKD_IN_WK=True),
-    # each chunk's output made by the state pass (no output launch); with its loads ahead (192.8
-    # KiB of shared memory: one program per multiprocessor, two waves) and without (176 B of spills)
-    dict(OUTPUT_IN_STATE_PASS=True),
-    dict(OUTPUT_IN_STATE_PASS=True, STATE_STAGES=1),
-    # the blocked inverse's products in TF32 (168 registers, no spills, against 255 and 136 B)
-    dict(INVERSE_PRODUCTS="tf32"),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

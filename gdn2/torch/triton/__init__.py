@@ -30,7 +30,7 @@ from triton.errors import TritonError
 
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from ...packing import SequenceOffsets
-from .forward import CHUNK, intra_forward, state_forward_and_output
+from .forward import CHUNK, intra_forward, output, state_forward
 from .interpreter import correct_bfloat16
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
@@ -150,8 +150,8 @@ def _forward(
     initial = None if initial_state is None else initial_state.contiguous()
     final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    state_forward_and_output(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, qd, P, o, scale, precision,
-                             sequence_chunks, chunk_table)
+    state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision, sequence_chunks)
+    output(qd, P, states, U, first_bad, o, scale, precision, chunk_table)
     return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 
 

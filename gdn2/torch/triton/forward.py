@@ -62,12 +62,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
-# The blocked inverse's 16x16 products: exact float32 ("ieee"), or "tf32" as fla's (a variant to
-# time; inside the intra-forward launch it changed neither the time nor the errors, 52a10e9).
-INVERSE_PRODUCTS = "ieee"
-# b k exp(G) handed from the intra-forward launch to the WY launch in Wk's own buffer, in Wk's
-# dtype (bfloat16 when saved so: half the bytes, one more rounding), not a float32 scratch buffer.
-BKD_IN_WK = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
 OUTPUT_WARPS = 4
@@ -78,9 +72,6 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
-# Each chunk's output made by the state pass from the S and U it holds (no output launch, S and U
-# not read back), instead of by the parallel output launch: a variant to time.
-OUTPUT_IN_STATE_PASS = False
 
 
 @triton.jit
@@ -185,11 +176,11 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_
     t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
-    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
     g_raw = tl.load(g + offsets, mask=ok, other=0.0)
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
 
 
@@ -203,30 +194,28 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad_rows):
+def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
-    and the sub-block total ``total`` ([BK]) of the log decays, each summed over its own span, and
-    ``key_bad_rows``, updated to the chunk's first rows with a bad key-side input
-    so far ([16] int32: per row r of a sub-block, the least 16 M + r over the sub-blocks M and key
-    columns seen whose k or b is non-finite or whose g is NaN or +inf; 64 where there is none).
+    and the sub-block total ``L + R`` ([16, BK]: each row the whole span's sum, with no reduction
+    across rows) of the log decays, each summed over its own span, and ``key_bad``, updated to
+    the chunk's first bad key-side entries so far ([16, BK] int32, elementwise: the least 16 M + r
+    over the sub-blocks M seen whose k or b at row r is non-finite or whose g is NaN or +inf; 64
+    where there is none; reduced once after the key loop).
     """
     r = tl.arange(0, 16)
     q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
-    g_raw = g_raw.to(tl.float32)
-    bad = (g_raw != _decay(g_raw)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad_rows = tl.minimum(key_bad_rows, tl.min(tl.where(bad, I * 16 + r[:, None], 64), 1))
+    g_tile = g_raw.to(tl.float32)
+    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
-    g_tile = _decay(g_raw)
-    g_next = _decay(g_next_raw.to(tl.float32))
-    L = tl.cumsum(g_tile, 0)
-    R = tl.cumsum(g_next, 0, reverse=True)
-    total = tl.sum(g_tile, 0)
-    return q_tile, k_tile, bk, L, R, total, key_bad_rows
+    L = tl.cumsum(_decay(g_tile), 0)
+    R = tl.cumsum(_decay(g_next_raw.to(tl.float32)), 0, reverse=True)
+    return q_tile, k_tile, bk, L, R, L + R, key_bad
 
 
 @triton.jit
@@ -454,15 +443,16 @@ def _intra_forward_kernel(
 def _inverse_kernel(
     A,  # [B, H, N, 64, 64] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 64, 64], float32 or bfloat16
-    PRECISION: tl.constexpr,  # of the blocked products (INVERSE_PRODUCTS)
+    PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
     read before X's tile in its place is written): the diagonal tiles by forward substitution in
     float32, the others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` with
     products in ``PRECISION``, each tile stored as soon as it is final, X's upper tiles zero.
-    sm_90a at one warp: 255 registers and 136 B of spills with exact float32 products ("ieee",
-    which hold the most), 168 and none with "tf32"."""
+    sm_90a at one warp: 168 registers and no spills with TF32 products (the default), 255 and 136 B
+    of spills with exact float32 ones ("ieee"); TF32 took the forward from 2.312 to 2.283 ms and
+    from 2.208 to 2.181 ms, the errors against the spec unchanged at the check shapes."""
     chunk = tl.program_id(0).to(tl.int64) * 64 * 64
     A += chunk
     X_out += chunk
@@ -490,7 +480,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    key_bad_rows = tl.full((16,), 64, dtype=tl.int32)
+    key_bad = tl.full((16, BK), 64, dtype=tl.int32)
     qd_out += chunk * 64 * K
     kd_out += chunk * 64 * K
     bkd_out += chunk * 64 * K
@@ -504,41 +494,41 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad_rows = _sub_block(*stored0, 0, key_bad_rows)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
         _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad_rows = _sub_block(*stored1, 1, key_bad_rows)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
-        left = left * before[None, :]  # exp(G) on sub-block 1
+        left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
         _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
-        right0 = right0 * decay1[None, :]
+        right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad_rows = _sub_block(*stored2, 2, key_bad_rows)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
         A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
-        left = left * before[None, :]  # exp(G) on sub-block 2
+        left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
         _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
-        right0 = right0 * decay2[None, :]
-        right1 = right1 * decay2[None, :]
+        right0 = right0 * decay2
+        right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad_rows = _sub_block(*stored3, 3, key_bad_rows)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -546,26 +536,28 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
-        left = left * before[None, :]  # exp(G) on sub-block 3
+        left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
         _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
-        tl.store(gamma_out + chunk * K + cols, before * decay3, mask=col_ok)
+        # the totals are tiles whose rows agree (to rounding): gamma from the first row
+        r = tl.arange(0, 16)
+        tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
+                 mask=(r == 0)[:, None] & col_ok[None, :])
         # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-        decay3 = decay3[None, :]
         _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
         _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
         _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
         _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
-    tl.store(key_first_bad_out + chunk, tl.min(key_bad_rows, 0))
+    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
 @triton.jit
 def _blocked(a, b, PRECISION: tl.constexpr):
-    """A 16x16 product of the blocked inverse: exact float32 ("ieee"; "tf32x3", three tensor-core
-    passes, measured slower on the H200), or "tf32" (``INVERSE_PRODUCTS``)."""
+    """A 16x16 product of the blocked inverse in the operator's dot precision ("tf32"; "ieee",
+    exact float32; "tf32x3", three tensor-core passes, measured slower on the H200)."""
     return tl.dot(a, b, input_precision=PRECISION)
 
 
@@ -657,7 +649,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
     X,  # [B, H, N, 64, 64] float32 or bfloat16, from _intra_forward_kernel
-    bkd,  # [B, H, N * 64, K] float32 (or Wk's dtype): b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
+    bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
@@ -727,16 +719,16 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
     diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
-    # else into a float32 scratch buffer dropped after the WY launch (BKD_IN_WK: into Wk's own
-    # buffer whatever its dtype).
-    bkd = Wk if Wk.dtype == torch.float32 or BKD_IN_WK else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
+    # else into a float32 scratch buffer dropped after the WY launch (in Wk's own bfloat16 buffer:
+    # 2.298 against 2.312 ms forward, no gain for one more rounding).
+    bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
     )
-    _inverse_kernel[(B * H * N,)](A, X, PRECISION=INVERSE_PRODUCTS, num_warps=INVERSE_WARPS, num_stages=1)
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1)
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
@@ -748,15 +740,11 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
 def _state_forward_kernel(
     Wk, kd, Uw, gamma, first_bad,  # [B, H, N * 64, K | K | V], [B, H, N, K], [B, H, N, V] int32
     initial_state, states, U_out, final_state,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
-    qd, P, o,  # with OUTPUT: [B, H, N * 64, K], [B, H, N, 64, 64], [B, T, H, V] (o written here)
-    sequence_chunks, chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
+    sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, OUTPUT: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """The sequential pass over one state row's chunks (see ``state_forward``); with ``OUTPUT``,
-    also each chunk's output ``o = scale (qd S + P U)`` as ``_output_kernel`` makes it (S the
-    state entering the chunk as stored, U as stored), so that S and U are not read back."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -771,12 +759,10 @@ def _state_forward_kernel(
         state = tl.load(initial_state + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
     else:
         state = tl.zeros((BK, BV), dtype=tl.float32)
-    o_row_head = (head // H) * T * H * V + (head % H) * V  # o's batch row (0 when packed) and head
     # The next chunks' Wk, kd and Uw do not depend on the state: with STAGES > 1 their loads are
     # issued ahead, while this chunk's products run.
     for i_n in tl.range(chunk_first, chunk_end, num_stages=STAGES):
-        stored = state.to(states.dtype.element_ty)
-        tl.store(states + (head * N + i_n) * K * V + state_offsets, stored, mask=state_mask)
+        tl.store(states + (head * N + i_n) * K * V + state_offsets, state.to(states.dtype.element_ty), mask=state_mask)
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
@@ -804,35 +790,10 @@ def _state_forward_kernel(
             state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(tl.float32), input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
-        poisoned_from = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64)
-        state = tl.where((poisoned_from < 64)[None, :], float("nan"), state)
-        if OUTPUT:
-            _chunk_output(qd, P, o, o_row_head, stored, U, poisoned_from, keys, k_ok, cols_v, v_ok, head * N + i_n,
-                          _chunk_span(chunk_table, i_n, T, PACKED), scale, H, V, DOT, BFLOAT16_PRODUCT)
+        poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
+        state = tl.where(poisoned[None, :], float("nan"), state)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
-
-
-@triton.jit
-def _chunk_output(qd, P, o, o_row_head, S, U, poisoned_from, keys, k_ok, cols_v, v_ok, chunk, span, scale, H,
-                  V: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr):
-    """One chunk's ``o = scale (qd S + P U)`` for the value columns ``cols_v`` (S and U as stored;
-    ``keys`` the chunk's offsets into qd; ``chunk`` its index in the head-major chunk buffers;
-    ``span`` its first token and end; ``o_row_head`` o's offset of the batch row and head), NaN
-    from each column's first bad row, as ``_output_kernel``."""
-    rows = tl.arange(0, 64)
-    P_tile = tl.load(P + chunk * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
-    out = tl.dot(P_tile, U.to(tl.float32), input_precision=DOT)
-    qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0)
-    if BFLOAT16_PRODUCT:  # both bfloat16 as stored: their tensor-core product is exact as it is
-        out = tl.dot(qd_tile, S, out)
-    else:
-        out += tl.dot(qd_tile.to(tl.float32), S.to(tl.float32), input_precision=DOT)
-    out = tl.where(rows[:, None] >= poisoned_from[None, :], float("nan"), out)
-    first, end = span
-    t = first + rows
-    offsets = o_row_head + t[:, None] * (H * V) + cols_v[None, :]
-    tl.store(o + offsets, (out * scale).to(o.dtype.element_ty), mask=(t < end)[:, None] & v_ok[None, :])
 
 
 def value_block(V: int, programs_per_block: int) -> int:
@@ -845,40 +806,22 @@ def value_block(V: int, programs_per_block: int) -> int:
 
 
 def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
-                  sequence_chunks=None, output_of=None) -> None:
+                  sequence_chunks=None) -> None:
     """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``), one
-    program per state row (batch row, or sequence with ``sequence_chunks``) and head. With
-    ``output_of = (qd, P, o, scale, chunk_table)`` it writes ``o`` too (``_chunk_output``)."""
+    program per state row (batch row, or sequence with ``sequence_chunks``) and head."""
     B, H, N, K, V = states.shape
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
-    qd, P, o, scale, chunk_table = output_of if output_of is not None else (states, states, states, 1.0, None)
-    T = o.shape[1] if output_of is not None else 1
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
-        states, U, final_state if final_state is not None else states, qd, P, o,
-        _table(sequence_chunks, states), _table(chunk_table, states), scale, T, H, K, V, N, BK=BK, BV=BV,
+        states, U, final_state if final_state is not None else states,
+        _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
-        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, OUTPUT=output_of is not None,
-        BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
-        num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
     )
-
-
-def state_forward_and_output(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, qd, P, o,
-                             scale: float, dot_precision: str, sequence_chunks=None, chunk_table=None) -> None:
-    """The sequential pass and the output: one launch with ``OUTPUT_IN_STATE_PASS``, else the
-    state pass, then ``output``'s parallel launch."""
-    if OUTPUT_IN_STATE_PASS:
-        state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision,
-                      sequence_chunks, output_of=(qd, P, o, scale, chunk_table))
-    else:
-        state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision,
-                      sequence_chunks)
-        output(qd, P, states, U, first_bad, o, scale, dot_precision, chunk_table)
 
 
 @triton.jit
