@@ -7,7 +7,8 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
    inputs: output, final state and every gradient (a nonzero gradient flows into the final state);
 2. timing, side by side on the same inputs: forward and forward+backward in bfloat16 at the
    three shapes, and the peak memory of one forward+backward;
-3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first shape;
+3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first timed shape
+   (flash-linear-attention's where it is timed);
 4. optionally (``--variants``) other launch settings of gdn2's kernels, each timed and checked.
 
 Usage (on the GPU machine)::
@@ -178,14 +179,14 @@ def profile_one(function, shape, iterations=5, dtype=torch.bfloat16):
     return cuda_kernel_times(step, iterations)
 
 
-def profile(result, implementations, save):
-    result["profile"] = {}
+def profile(result, implementations, save, shape):
+    result["profile"] = {"shape": list(shape)}
     for name, function in implementations.items():
         try:
-            result["profile"][name] = profile_one(function, TIMING_SHAPES[0])
+            result["profile"][name] = profile_one(function, shape)
         except Exception as error:
             result["profile"][name] = [{"error": f"{type(error).__name__}: {error}"[:300]}]
-        print(f"profile {name} {TIMING_SHAPES[0]} (ms per fwd+bwd):", flush=True)
+        print(f"profile {name} {shape} (ms per fwd+bwd):", flush=True)
         for r in result["profile"][name]:
             print("   ", r, flush=True)
         save()
@@ -272,7 +273,8 @@ def main():
         result["timing"].append(row)
         save()
         if args.profile and "profile" not in result:
-            profile(result, implementations, save)
+            profile(result, {name: f for name, f in implementations.items() if name == "gdn2" or index in fla_shapes},
+                    save, shape)
 
     if args.variants:
         result["variants"] = []
