@@ -9,8 +9,8 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
    three shapes, and the peak memory of one forward+backward;
 3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first timed shape
    (flash-linear-attention's where it is timed);
-4. optionally (``--variants``) other launch settings of gdn2's kernels, each timed (at the first
-   timed shape, else the first timing shape) and checked.
+4. optionally (``--variants``) other launch settings of gdn2's kernels, each timed (at every timed
+   shape, else the first timing shape) and checked.
 
 Usage (on the GPU machine)::
 
@@ -54,7 +54,7 @@ CHECK_SHAPES = [
     (2, 100, 2, 16, 16, (-20.0, 0.0)),
 ]
 # Launch-setting variants of gdn2 go here (module constants of its kernel launchers, e.g.
-# ``dict(STATE_WARPS=8)``), timed at the first timed shape and checked (``--variants``); the
+# ``dict(STATE_WARPS=8)``), timed at every timed shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
@@ -278,22 +278,26 @@ def main():
                     save, shape)
 
     if args.variants:
-        timed = [int(s) for s in args.shapes.split(",") if s]
-        variant_shape = TIMING_SHAPES[timed[0] if timed else 0]
+        timed = [int(s) for s in args.shapes.split(",") if s] or [0]
         result["variants"] = []
         chosen = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
         for variant in chosen:
             previous = set_launch(variant)
             try:
-                timing = time_one(gdn2_kernel, variant_shape, strict=True)
+                checks = {}
                 for dtype in (torch.float32, torch.bfloat16):  # a variant must be right, too
-                    timing[f"worst_{str(dtype).rsplit('.', 1)[-1]}"] = checked("gdn2", gdn2_kernel, dtype, 1)["worst"]
+                    checks[f"worst_{str(dtype).rsplit('.', 1)[-1]}"] = checked("gdn2", gdn2_kernel, dtype, 1)["worst"]
+                for index in timed:
+                    shape = TIMING_SHAPES[index]
+                    timing = dict(time_one(gdn2_kernel, shape, strict=True), **checks)
+                    result["variants"].append(dict(variant=variant, shape=list(shape), **timing))
+                    print("variant", variant, shape, timing, flush=True)
+                    save()
             except Exception as error:
-                timing = {"error": f"{type(error).__name__}: {error}"[:300]}
+                result["variants"].append(dict(variant=variant, error=f"{type(error).__name__}: {error}"[:300]))
+                print("variant", variant, result["variants"][-1]["error"], flush=True)
+                save()
             set_launch(previous)
-            result["variants"].append(dict(variant=variant, shape=list(variant_shape), **timing))
-            print("variant", variant, variant_shape, timing, flush=True)
-            save()
 
     print("\n| shape B,T,H,K=V | gdn2 fwd ms | fla fwd ms | ratio | gdn2 fwd+bwd ms | fla fwd+bwd ms | ratio "
           "| gdn2 peak GiB | fla peak GiB | ratio |")
