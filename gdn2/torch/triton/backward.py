@@ -333,7 +333,6 @@ def _pairs_inside(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, 
                                         d_A_column, d_P_column)
         g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
         g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
-
     return d_k_pair, d_bk_A, d_q_P
 
 
