@@ -137,10 +137,7 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     of ``bench/triton_h200.py``."""
     case = make_case(1, 130, 2, 32, 24, seed, log_decay_range=(-1.0, 0.0))  # slow decay: A's far tiles count
     case["inputs"]["g"][0, 70, 1] = -np.inf
-    case = with_expected(case)
-    result = run_torch(case, "float32", path="kernel")
-    error, name, errors = worst_error(result, case["expected"])
-    assert error <= 1e-4, (seed, name, errors)
+    _assert_float32_kernel_matches(with_expected(case), seed)
 
 
 @kernel_only

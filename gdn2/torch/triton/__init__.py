@@ -149,8 +149,8 @@ def _forward(
     intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision, chunk_table)
     initial = None if initial_state is None else initial_state.contiguous()
     final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device)
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision, sequence_chunks)
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     output(qd, P, states, U, first_bad, o, scale, precision, chunk_table)
     return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
 

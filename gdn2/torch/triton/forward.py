@@ -176,11 +176,11 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_
     t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
     g_raw = tl.load(g + offsets, mask=ok, other=0.0)
-    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
 
 
