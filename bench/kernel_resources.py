@@ -54,7 +54,7 @@ class Compiled(NamedTuple):
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
-          disassemble: bool = False, maxnreg: int | None = None) -> Compiled:
+          disassemble: bool = False) -> Compiled:
     """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas; with
     ``disassemble``, the cubin's SASS too."""
     names = kernel.arg_names
@@ -72,8 +72,7 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
     divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    options = dict(num_warps=num_warps, num_stages=1, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    compiled = triton.compile(source, target=TARGET, options=options)
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
     sass = ""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
@@ -272,8 +271,7 @@ def main(argv=None) -> None:
             if args.only and name not in args.only:
                 continue
             try:
-                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions,
-                                 maxnreg=MAX_REGISTERS.get(name))
+                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions)
                 line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
                 registers = re.search(r"Used (\d+) registers", compiled.report)
                 if registers:
@@ -306,7 +304,6 @@ def set_launch(settings: dict) -> dict:
 # count varies.
 LOOP_TRIPS: dict[str, list[float]] = {}
 PROGRAMS: dict[str, int] = {}
-MAX_REGISTERS: dict[str, int | None] = {}  # a launch's register cap (``maxnreg``), where it has one
 
 
 def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8, T: int = 4096, H: int = 16) -> dict:
@@ -412,8 +409,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=bw.KEYS_STAGES,
-                 FULL_SUB_BLOCKS=bw.KEYS_FULL_SUB_BLOCKS),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=bw.KEYS_STAGES),
         bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     keys_block = min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk)
@@ -421,7 +417,6 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     # The loops over earlier and later sub-blocks run 0 to 3 times (1.5 on average), the pairs
     # inside a sub-block 16 steps.
     LOOP_TRIPS["intra_backward_keys"] = [1.5, 1.5, 16]
-    MAX_REGISTERS["intra_backward_keys"] = bw.KEYS_MAX_REGISTERS
     PROGRAMS["gate_gradient"] = chunks * heads * key_blocks_of(keys_block)
     out["gate_gradient"] = (
         bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp, chunk_table="i32"),

@@ -59,11 +59,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the keys launch's pairs inside full sub-blocks without row masks, offsets carried through the
-    # loop (a step about 145 SASS instructions against 235; 166 registers), and capped at 128
-    # registers (25% occupancy as now, 16 B of spills)
-    dict(KEYS_FULL_SUB_BLOCKS=True),
-    dict(KEYS_FULL_SUB_BLOCKS=True, KEYS_MAX_REGISTERS=128),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 from gdn2.paths import forget_announcements  # noqa: E402
 from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
-from gdn2.testing import make_case, packed_case, rounded_case, run_torch, with_expected, worst_error  # noqa: E402
+from gdn2.testing import make_case, rounded_case, run_torch, with_expected, worst_error  # noqa: E402
 from gdn2.torch.ops import which_path  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
@@ -138,30 +138,6 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     case = make_case(1, 130, 2, 32, 24, seed, log_decay_range=(-1.0, 0.0))  # slow decay: A's far tiles count
     case["inputs"]["g"][0, 70, 1] = -np.inf
     _assert_float32_kernel_matches(with_expected(case), seed)
-
-
-@kernel_only
-@pytest.mark.parametrize("K, packed", [(64, False), (48, False), (32, True)], ids=["K64", "K48", "packed"])
-def test_keys_full_sub_blocks_match_spec(K, packed, seed, interpreter, monkeypatch):
-    """The keys launch's pairs inside sub-blocks inside the sequence without row masks
-    (``KEYS_FULL_SUB_BLOCKS``, a variant to time), the partial ones as before: output, final state
-    and every gradient against the spec in float32, with a hard reset and a step of -1e6; T = 70
-    (a full chunk and a short one), key blocks that divide K (64) and that do not (48); packed,
-    sequences of 37, 16 and 30 tokens (each its own sub-block boundaries)."""
-    from gdn2.torch.triton import backward
-
-    monkeypatch.setattr(backward, "KEYS_FULL_SUB_BLOCKS", True)
-    if packed:
-        case = packed_case(seed, [37, 16, 30], K=K, V=16)
-        case["inputs"]["g"][0, 20, 1] = -np.inf
-        case["inputs"]["g"][0, 60, 0] = -1e6
-        case = with_expected(case)
-    else:
-        case = make_case(2, 70, 2, K, 16, seed, log_decay_range=(-5.0, 0.0), reference=False)
-        case["inputs"]["g"][0, 30, 1] = -np.inf
-        case["inputs"]["g"][1, 64, 0] = -1e6
-        case = with_expected(case)
-    _assert_float32_kernel_matches(case, seed)
 
 
 def _bfloat16_products(monkeypatch, on: bool) -> None:

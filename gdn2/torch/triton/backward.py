@@ -114,11 +114,6 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861; 4: 10.510 against 10.523)
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
-# The keys launch's pairs inside a sub-block that lies inside the sequence by
-# ``_pairs_inside_full`` (no row masks, offsets carried through the loop; 166 registers against
-# 128, a loop step about 145 SASS instructions against 235): a variant to time.
-KEYS_FULL_SUB_BLOCKS = False
-KEYS_MAX_REGISTERS = None  # a register cap for the keys launch (ptxas ``maxnreg``): 128 keeps 25% occupancy
 
 
 @triton.jit
@@ -271,13 +266,12 @@ def _row_step_inputs(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_
 
 
 @triton.jit
-def _row_step(E, d_k_pair, before, at, g_i, q_i, b_i, k_i, d_A_row, d_P_row):
+def _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row):
     """The keys' side of row ``i``: ``E[j] = exp(g_{j+1} + ... + g_i)`` for ``j < i`` (the previous
-    row's times ``exp(g_i)``; 1 at ``j = i``, 0 after), and row i's pairs added to ``d_k_pair``
-    (``before``, ``at``: [16, 1], the rows j < i and j = i)."""
+    row's times ``exp(g_i)``; 1 at ``j = i``, 0 after), and row i's pairs added to ``d_k_pair``."""
     step_decay = tl.exp(g_i.to(tl.float32))
     bk_i = b_i.to(tl.float32) * k_i.to(tl.float32)
-    E = tl.where(before, E * step_decay[None, :], tl.where(at, 1.0, 0.0))
+    E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
     d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i.to(tl.float32)[None, :])
     return E, d_k_pair
 
@@ -300,113 +294,16 @@ def _column_step_inputs(k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, 
 
 
 @triton.jit
-def _column_step(F, d_bk_A, d_q_P, after, next_to, g_next, k_j, d_A_column, d_P_column):
+def _column_step(F, d_bk_A, d_q_P, r, j, g_next, k_j, d_A_column, d_P_column):
     """The rows' side of column ``j``: ``F[i] = exp(g_{j+1} + ... + g_i)`` for ``i > j`` (the next
     column's times ``exp(g_{j+1})``, 0 at and before ``j``), and column j's pairs added to
-    ``d_bk_A`` and ``d_q_P`` (``after``, ``next_to``: [16, 1], the rows i > j and i = j + 1)."""
+    ``d_bk_A`` and ``d_q_P``."""
     next_decay = tl.exp(g_next.to(tl.float32))
-    F = tl.where(after, tl.where(next_to, 1.0, F) * next_decay[None, :], 0.0)
+    F = tl.where(r[:, None] > j, tl.where(r[:, None] == j + 1, 1.0, F) * next_decay[None, :], 0.0)
     k_F = F * k_j.to(tl.float32)[None, :]
     d_bk_A += d_A_column[:, None] * k_F
     d_q_P += d_P_column[:, None] * k_F
     return F, d_bk_A, d_q_P
-
-
-@triton.jit
-def _pairs_inside(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, d_k_pair, d_bk_A, d_q_P,
-                  BKB: tl.constexpr):
-    """The pairs inside sub-block I (``_intra_backward_keys_kernel``'s comment), added to
-    ``d_k_pair``, ``d_bk_A`` and ``d_q_P``: every load masked to the sequence and the key columns."""
-    E = tl.zeros((16, BKB), dtype=tl.float32)
-    F = tl.zeros((16, BKB), dtype=tl.float32)
-    g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
-        q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
-    g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
-        k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
-    for s in range(16):
-        g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
-            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
-        g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
-            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
-        E, d_k_pair = _row_step(E, d_k_pair, r[:, None] < s, r[:, None] == s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
-        F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r[:, None] > 15 - s, r[:, None] == 15 - s + 1, g_next, k_j,
-                                        d_A_column, d_P_column)
-        g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
-        g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
-    return d_k_pair, d_bk_A, d_q_P
-
-
-@triton.jit
-def _load_row(x, offsets, k_ok, EVEN_K: tl.constexpr):
-    """One row of an input at ``offsets`` (in the sequence), masked to the key columns unless
-    ``EVEN_K`` (the key blocks divide K)."""
-    if EVEN_K:
-        return tl.load(x + offsets)
-    else:
-        return tl.load(x + offsets, mask=k_ok, other=0.0)
-
-
-@triton.jit
-def _full_row_inputs(q, k, g, b, d_A_scratch, d_P_scratch, row, A_row, from_i, k_ok, EVEN_K: tl.constexpr):
-    """``_pairs_inside_full``'s row i: g, q, b, k at ``row`` and dA's and dP's row at ``A_row``,
-    columns j < i (``from_i`` = r - i)."""
-    return (_load_row(g, row, k_ok, EVEN_K), _load_row(q, row, k_ok, EVEN_K), _load_row(b, row, k_ok, EVEN_K),
-            _load_row(k, row, k_ok, EVEN_K), tl.load(d_A_scratch + A_row, mask=from_i < 0, other=0.0),
-            tl.load(d_P_scratch + A_row, mask=from_i < 0, other=0.0))
-
-
-@triton.jit
-def _full_column_inputs(k, d_A_scratch, d_P_scratch, column, A_column, from_j, k_ok, EVEN_K: tl.constexpr):
-    """``_pairs_inside_full``'s column j: k at ``column`` and dA's and dP's column at
-    ``A_column``, rows i > j (``from_j`` = r - j)."""
-    return (_load_row(k, column, k_ok, EVEN_K), tl.load(d_A_scratch + A_column, mask=from_j > 0, other=0.0),
-            tl.load(d_P_scratch + A_column, mask=from_j > 0, other=0.0))
-
-
-@triton.jit
-def _pairs_inside_full(q, k, g, b, d_A_scratch, d_P_scratch, first, HK, cols_k, k_ok, r, I, d_k_pair, d_bk_A, d_q_P,
-                       BKB: tl.constexpr, EVEN_K: tl.constexpr):
-    """``_pairs_inside`` for a sub-block inside the sequence (``KEYS_FULL_SUB_BLOCKS``): no row
-    masks; the offsets of row i (ascending), of column j (descending) and of dA's and dP's row i
-    and column j carried through the loop and advanced each step, with ``r - i`` and ``r - j`` in
-    place of the step's index (compiled from the index, the loop kept it in 64 bits and rebuilt
-    every address from it); the last step peeled, so that nothing is read past the sub-block."""
-    E = tl.zeros((16, BKB), dtype=tl.float32)
-    F = tl.zeros((16, BKB), dtype=tl.float32)
-    row = first * HK + cols_k  # row i = 0
-    column = (first + 15) * HK + cols_k  # column j = 15
-    A_row = (I * 16) * 64 + I * 16 + r  # dA's and dP's row i of the diagonal block, columns r
-    A_column = (I * 16 + r) * 64 + I * 16 + 15  # their column j, rows r
-    from_i = r  # r - i
-    from_j = r - 15  # r - j
-    g_i, q_i, b_i, k_i, d_A_row, d_P_row = _full_row_inputs(q, k, g, b, d_A_scratch, d_P_scratch, row, A_row, from_i,
-                                                            k_ok, EVEN_K)
-    g_next = tl.zeros((BKB,), dtype=g_i.dtype)  # the row after column 15: none (F selects none of it)
-    k_j, d_A_column, d_P_column = _full_column_inputs(k, d_A_scratch, d_P_scratch, column, A_column, from_j, k_ok,
-                                                      EVEN_K)
-    for _ in range(15):
-        row += HK
-        A_row += 64
-        from_i1 = from_i - 1
-        g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _full_row_inputs(q, k, g, b, d_A_scratch, d_P_scratch, row, A_row,
-                                                                      from_i1, k_ok, EVEN_K)
-        g_next1 = _load_row(g, column, k_ok, EVEN_K)  # the row after column j - 1
-        column -= HK
-        A_column -= 1
-        from_j1 = from_j + 1
-        k_j1, d_A_column1, d_P_column1 = _full_column_inputs(k, d_A_scratch, d_P_scratch, column, A_column, from_j1,
-                                                             k_ok, EVEN_K)
-        E, d_k_pair = _row_step(E, d_k_pair, from_i[:, None] < 0, from_i[:, None] == 0, g_i, q_i, b_i, k_i,
-                                d_A_row, d_P_row)
-        F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, from_j[:, None] > 0, from_j[:, None] == 1, g_next, k_j,
-                                        d_A_column, d_P_column)
-        g_i, q_i, b_i, k_i, d_A_row, d_P_row, from_i = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1, from_i1
-        g_next, k_j, d_A_column, d_P_column, from_j = g_next1, k_j1, d_A_column1, d_P_column1, from_j1
-    E, d_k_pair = _row_step(E, d_k_pair, from_i[:, None] < 0, from_i[:, None] == 0, g_i, q_i, b_i, k_i,
-                            d_A_row, d_P_row)
-    F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, from_j[:, None] > 0, from_j[:, None] == 1, g_next, k_j,
-                                    d_A_column, d_P_column)
-    return d_k_pair, d_bk_A, d_q_P
 
 
 @triton.jit
@@ -418,7 +315,6 @@ def _intra_backward_keys_kernel(
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
     BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
-    FULL_SUB_BLOCKS: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -494,16 +390,21 @@ def _intra_backward_keys_kernel(
     # ``exp(g_{j+1})``). Both in one loop (step s: row s and column 15 - s), so that their loads
     # wait together, and each step's rows loaded one step ahead: a step's arithmetic is short.
     k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
-    if FULL_SUB_BLOCKS:
-        if first + 16 <= end:
-            d_k_pair, d_bk_A, d_q_P = _pairs_inside_full(q, k, g, b, d_A_scratch, d_P_scratch, first, HK, cols_k,
-                                                         k_ok, r, I, d_k_pair, d_bk_A, d_q_P, BKB, K % BKB == 0)
-        else:
-            d_k_pair, d_bk_A, d_q_P = _pairs_inside(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k,
-                                                    k_ok, r, I, d_k_pair, d_bk_A, d_q_P, BKB)
-    else:
-        d_k_pair, d_bk_A, d_q_P = _pairs_inside(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok,
-                                                r, I, d_k_pair, d_bk_A, d_q_P, BKB)
+    E = tl.zeros((16, BKB), dtype=tl.float32)
+    F = tl.zeros((16, BKB), dtype=tl.float32)
+    g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
+        q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
+    g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
+        k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
+    for s in range(16):
+        g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
+            q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
+        g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
+            k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 14 - s)
+        E, d_k_pair = _row_step(E, d_k_pair, r, s, g_i, q_i, b_i, k_i, d_A_row, d_P_row)
+        F, d_bk_A, d_q_P = _column_step(F, d_bk_A, d_q_P, r, 15 - s, g_next, k_j, d_A_column, d_P_column)
+        g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
+        g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
 
     q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
     b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
@@ -625,7 +526,6 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
         BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, STAGES=KEYS_STAGES,
-        FULL_SUB_BLOCKS=KEYS_FULL_SUB_BLOCKS, **({} if KEYS_MAX_REGISTERS is None else dict(maxnreg=KEYS_MAX_REGISTERS)),
         num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
