@@ -54,9 +54,9 @@ class Compiled(NamedTuple):
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
-          disassemble: bool = False) -> Compiled:
-    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas; with
-    ``disassemble``, the cubin's SASS too."""
+          disassemble: bool = False, maxnreg: int | None = None) -> Compiled:
+    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas, its
+    registers capped at ``maxnreg`` if given; with ``disassemble``, the cubin's SASS too."""
     names = kernel.arg_names
     signature = {}
     for name in names:
@@ -72,7 +72,8 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
     divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    options = dict(num_warps=num_warps, num_stages=1, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    compiled = triton.compile(source, target=TARGET, options=options)
     sass = ""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
@@ -271,7 +272,8 @@ def main(argv=None) -> None:
             if args.only and name not in args.only:
                 continue
             try:
-                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions)
+                compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions,
+                                 maxnreg=forward.MAX_REGISTERS.get(name))
                 line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
                 registers = re.search(r"Used (\d+) registers", compiled.report)
                 if registers:

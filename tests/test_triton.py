@@ -569,3 +569,18 @@ def test_precision_study_default_is_the_operators():
     spec.loader.exec_module(study)
     assert study.DEFAULT == kernel.SAVED_IN_BFLOAT16
     assert study.CONFIGS["default"] == kernel.SAVED_IN_BFLOAT16
+
+
+def test_register_caps_name_launches():
+    """Every launch ``MAX_REGISTERS`` caps is a launch that asks for its cap (a misspelt name would
+    cap nothing, silently), and the caps are ones ptxas takes (24 to 255 registers)."""
+    import inspect
+    import re
+
+    from gdn2.torch.triton import backward, forward
+
+    asked = set(re.findall(r'register_cap\("(\w+)"\)', inspect.getsource(forward) + inspect.getsource(backward)))
+    assert {"diagonal", "intra_forward", "inverse", "wy", "state_forward", "output", "state_backward",
+            "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient"} == asked
+    assert set(forward.MAX_REGISTERS) <= asked
+    assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, value_block
+from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, register_cap, value_block
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
 
@@ -494,7 +494,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=CONTRACT_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=CONTRACT_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_contract"),
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
@@ -510,7 +510,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=VALUES_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=VALUES_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_values"),
     )
     return dv, dw, d_A, d_P
 
@@ -526,10 +526,10 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
         BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, STAGES=KEYS_STAGES,
-        num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1,
+        num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1, **register_cap("intra_backward_keys"),
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
         d_qd, sub_block_sums, gamma, d_gamma, dg, _table(chunk_table, q), T, H, K, N, BKB=BKB,
-        PACKED=chunk_table is not None, num_warps=4, num_stages=1,
+        PACKED=chunk_table is not None, num_warps=4, num_stages=1, **register_cap("gate_gradient"),
     )
     return dq, dk, dg, db

@@ -72,6 +72,17 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
+# Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
+# these and the backward's launches. The keys launch at 80 (184 B of spills, six programs a
+# multiprocessor against four at its 128): forward+backward 10.322 -> 9.894 ms (96: 9.957; 72:
+# 10.017; 64: 11.176); no cap helped the WY, output, diagonal, inverse, contraction or value launch.
+MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 80}
+
+
+def register_cap(launch: str) -> dict:
+    """The launch option capping ``launch``'s registers, if ``MAX_REGISTERS`` names it."""
+    cap = MAX_REGISTERS.get(launch)
+    return {} if cap is None else dict(maxnreg=cap)
 
 
 @triton.jit
@@ -704,6 +715,7 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, num_warps=DIAGONAL_WARPS, num_stages=1,
+        **register_cap("diagonal"),
     )
 
 
@@ -734,12 +746,14 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        **register_cap("intra_forward"),
     )
-    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1)
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
+                                  **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1,
+        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
 
@@ -828,6 +842,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
         SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
+        **register_cap("state_forward"),
     )
 
 
@@ -880,7 +895,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
-        num_warps=OUTPUT_WARPS, num_stages=1,
+        num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"),
     )
 
 
