@@ -61,6 +61,9 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
+# The intra-forward launch on sub-blocks in stacked pairs ([32, BK] tiles, ``_off_diagonal_pairs``)
+# in place of one [16, BK] tile each: a variant to time.
+INTRA_FORWARD_PAIRS = False
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
@@ -430,7 +433,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -450,11 +453,15 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES)
-    _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+    if PAIRS:
+        _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_out + chunk * 64 * 64, A_out + chunk * 64 * 64,
+                            qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out, chunk, K, BK, DOT, STAGES)
+    else:
+        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+            chunk, K, BK, DOT, STAGES)
+        _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
+        _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -570,6 +577,169 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
+
+
+@triton.jit
+def _pair_load(q, k, b, g, key_base, t0, p: tl.constexpr, T, HK, cols, col_ok):
+    """Sub-blocks 2p and 2p + 1 stacked (rows ``t0 + 32 p ...``), [32, BK] tiles of one block of
+    key columns as stored: q, k, b, g and g one row on (none at each sub-block's last row)."""
+    r = tl.arange(0, 32)
+    t = t0 + p * 32 + r
+    ok = (t < T)[:, None] & col_ok[None, :]
+    offsets = key_base + t[:, None] * HK + cols[None, :]
+    next_ok = ((r % 16 < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
+    k_raw = tl.load(k + offsets, mask=ok, other=0.0)
+    q_raw = tl.load(q + offsets, mask=ok, other=0.0)
+    b_raw = tl.load(b + offsets, mask=ok, other=0.0)
+    g_raw = tl.load(g + offsets, mask=ok, other=0.0)
+    return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
+
+
+@triton.jit
+def _in_halves(x, BK: tl.constexpr, REVERSE: tl.constexpr):
+    """The sums down the rows of a [32, BK] tile inside each half of 16 rows (a sub-block),
+    inclusive (``REVERSE``: from the end). As [2, 16, BK] the halves lie on one warp each (at two
+    warps, [32, BK] loads put 16 rows on each), so that no scan crosses the warps."""
+    return tl.reshape(tl.cumsum(tl.reshape(x, (2, 16, BK)), 1, reverse=REVERSE), (32, BK))
+
+
+@triton.jit
+def _pair(q_raw, k_raw, b_raw, g_raw, g_next_raw, p: tl.constexpr, key_bad, BK: tl.constexpr):
+    """``_sub_block`` for the stacked pair p ([32, BK] tiles, ``_pair_load``): q, k, b * k, the
+    inclusive prefix ``L`` and the exclusive suffix ``R`` of the log decays inside each sub-block,
+    their sum (each row its sub-block's total) and ``key_bad`` ([32, BK], 32 p + r at a bad row)."""
+    r = tl.arange(0, 32)
+    q_tile = q_raw.to(tl.float32)
+    k_raw = k_raw.to(tl.float32)
+    b_raw = b_raw.to(tl.float32)
+    g_tile = g_raw.to(tl.float32)
+    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad = tl.minimum(key_bad, tl.where(bad, p * 32 + r[:, None], 64))
+    k_tile = _finite(k_raw)
+    bk = _finite(b_raw) * k_tile
+    L = _in_halves(_decay(g_tile), BK, False)
+    R = _in_halves(_decay(g_next_raw.to(tl.float32)), BK, True)
+    return q_tile, k_tile, bk, L, R, L + R, key_bad
+
+
+@triton.jit
+def _row(x, row: tl.constexpr):
+    """Row ``row`` of a [32, BK] tile, [BK] (a sum down the rows, across the two warps)."""
+    return tl.sum(tl.where(tl.arange(0, 32)[:, None] == row, x, 0.0), 0)
+
+
+@triton.jit
+def _halves_split(x, BK: tl.constexpr):
+    """The two halves of a [32, BK] tile, [16, BK] each."""
+    return tl.split(tl.permute(tl.reshape(x, (2, 16, BK)), (1, 2, 0)))
+
+
+@triton.jit
+def _store_pair_rows(base, p: tl.constexpr, K, cols, col_ok, tile):
+    """Store a [32, BK] tile at rows 32 p of a chunk's [64, K] rows, in the buffer's dtype."""
+    r = tl.arange(0, 32)
+    tl.store(base + (p * 32 + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
+             mask=(r >= 0)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _store_tile_halves(matrix, I0: tl.constexpr, I1: tl.constexpr, J: tl.constexpr, tile, FIRST: tl.constexpr):
+    """A [32, 16] product's halves as the 16x16 tiles (I1, J) and, with ``FIRST``, (I0, J) of a
+    chunk matrix, in its dtype."""
+    r = tl.arange(0, 32)
+    rows = tl.where(r < 16, I0 * 16 + r, I1 * 16 + r - 16)
+    c = tl.arange(0, 16)
+    tl.store(matrix + rows[:, None] * 64 + J * 16 + c[None, :], tile.to(matrix.dtype.element_ty),
+             mask=((r >= 16) | FIRST)[:, None] & (c >= 0)[None, :])
+
+
+@triton.jit
+def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_out, kd_out, bkd_out, gamma_out,
+                        key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                        STAGES: tl.constexpr):
+    """``_off_diagonal_tiles`` on the sub-blocks in stacked pairs (0, 1) and (2, 3): [32, BK]
+    tiles whose halves lie on one warp each (at two warps), so that every scan stays inside a
+    warp and a product of a pair with a sub-block's right factors, [32, BK] x [BK, 16], gives each
+    warp its own 16 rows (a 16-row product at two warps is held and computed whole by both). The
+    tiles it stores, and the rest of P's, are stored here.
+
+    With ``t_M`` a sub-block's total decay (one [BK] vector each, from the pairs' first rows) and
+    the left factors ``x e^L`` of a pair: (0, 1) against sub-block 0's ``k e^R`` gives A10 and
+    P10 (its first half discarded); (2, 3) with sub-block 3's rows times ``t_2`` against sub-block
+    0's ``k e^R t_1`` gives the tiles (2, 0) and (3, 0), against sub-block 1's ``k e^R`` (2, 1)
+    and (3, 1); (2, 3) without ``t_2`` against sub-block 2's ``k e^R`` gives (3, 2) (its first
+    half discarded)."""
+    A01_0 = tl.zeros((32, 16), dtype=tl.float32)  # A10 in its second half
+    A23_0 = tl.zeros((32, 16), dtype=tl.float32)  # A20, A30
+    A23_1 = tl.zeros((32, 16), dtype=tl.float32)  # A21, A31
+    A23_2 = tl.zeros((32, 16), dtype=tl.float32)  # A32 in its second half
+    P01_0 = tl.zeros((32, 16), dtype=tl.float32)
+    P23_0 = tl.zeros((32, 16), dtype=tl.float32)
+    P23_1 = tl.zeros((32, 16), dtype=tl.float32)
+    P23_2 = tl.zeros((32, 16), dtype=tl.float32)
+    key_bad = tl.full((32, BK), 64, dtype=tl.int32)
+    qd_out += chunk * 64 * K
+    kd_out += chunk * 64 * K
+    bkd_out += chunk * 64 * K
+    second = (tl.arange(0, 32) >= 16)[:, None]  # the pair's second sub-block
+
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        q01, k01, bk01, L01, R01, s01, key_bad = _pair(
+            *_pair_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok), 0, key_bad, BK)
+        q23, k23, bk23, L23, R23, s23, key_bad = _pair(
+            *_pair_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok), 1, key_bad, BK)
+        t_0 = tl.exp(_row(s01, 0))[None, :]  # sub-block 0's total decay
+        t_1 = tl.exp(_row(s01, 16))[None, :]
+        t_2 = tl.exp(_row(s23, 0))[None, :]
+        t_3 = tl.exp(_row(s23, 16))[None, :]
+        left01 = tl.exp(L01)
+        left23 = tl.exp(L23)
+        right01 = k01 * tl.exp(R01)  # k e^R of sub-blocks 0 and 1
+        right23 = k23 * tl.exp(R23)
+        right0, right1 = _halves_split(right01, BK)
+        right2, _ = _halves_split(right23, BK)
+
+        # A and P
+        A01_0 = tl.dot(bk01 * left01, tl.trans(right0), A01_0, input_precision=DOT)
+        P01_0 = tl.dot(q01 * left01, tl.trans(right0), P01_0, input_precision=DOT)
+        A23_2 = tl.dot(bk23 * left23, tl.trans(right2), A23_2, input_precision=DOT)
+        P23_2 = tl.dot(q23 * left23, tl.trans(right2), P23_2, input_precision=DOT)
+        left23_far = left23 * tl.where(second, t_2, 1.0)
+        right0_far = right0 * t_1
+        A23_0 = tl.dot(bk23 * left23_far, tl.trans(right0_far), A23_0, input_precision=DOT)
+        P23_0 = tl.dot(q23 * left23_far, tl.trans(right0_far), P23_0, input_precision=DOT)
+        A23_1 = tl.dot(bk23 * left23_far, tl.trans(right1), A23_1, input_precision=DOT)
+        P23_1 = tl.dot(q23 * left23_far, tl.trans(right1), P23_1, input_precision=DOT)
+
+        # exp(G) = e^L times the totals of the sub-blocks before; exp(G_last - G) = e^R times those after
+        G01 = left01 * tl.where(second, t_0, 1.0)
+        G23 = left23_far * (t_0 * t_1)
+        _store_pair_rows(qd_out, 0, K, cols, col_ok, q01 * G01)
+        _store_pair_rows(bkd_out, 0, K, cols, col_ok, bk01 * G01)
+        _store_pair_rows(qd_out, 1, K, cols, col_ok, q23 * G23)
+        _store_pair_rows(bkd_out, 1, K, cols, col_ok, bk23 * G23)
+        _store_pair_rows(kd_out, 0, K, cols, col_ok, right01 * (t_2 * t_3) * tl.where(second, 1.0, t_1))
+        _store_pair_rows(kd_out, 1, K, cols, col_ok, right23 * tl.where(second, 1.0, t_3))
+        tl.store(gamma_out + chunk * K + cols[None, :], t_0 * t_1 * t_2 * t_3, mask=col_ok[None, :])
+
+    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    _store_tile(P_chunk, 0, 1, zero)
+    _store_tile(P_chunk, 0, 2, zero)
+    _store_tile(P_chunk, 0, 3, zero)
+    _store_tile(P_chunk, 1, 2, zero)
+    _store_tile(P_chunk, 1, 3, zero)
+    _store_tile(P_chunk, 2, 3, zero)
+    _store_tile_halves(P_chunk, 0, 1, 0, P01_0, False)
+    _store_tile_halves(P_chunk, 2, 3, 0, P23_0, True)
+    _store_tile_halves(P_chunk, 2, 3, 1, P23_1, True)
+    _store_tile_halves(P_chunk, 2, 3, 2, P23_2, False)
+    _store_tile_halves(A_chunk, 0, 1, 0, A01_0, False)
+    _store_tile_halves(A_chunk, 2, 3, 0, A23_0, True)
+    _store_tile_halves(A_chunk, 2, 3, 1, A23_1, True)
+    _store_tile_halves(A_chunk, 2, 3, 2, A23_2, False)
 
 
 @triton.jit
@@ -745,7 +915,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRS=INTRA_FORWARD_PAIRS, num_warps=INTRA_FORWARD_WARPS,
+        num_stages=1,
         **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
