@@ -686,40 +686,40 @@ def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
+        # the first pair whole before the second is loaded (fewer tiles live at once)
         q01, k01, bk01, L01, R01, s01, key_bad = _pair(
             *_pair_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok), 0, key_bad, BK)
-        q23, k23, bk23, L23, R23, s23, key_bad = _pair(
-            *_pair_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok), 1, key_bad, BK)
         t_0 = tl.exp(_row(s01, 0))[None, :]  # sub-block 0's total decay
         t_1 = tl.exp(_row(s01, 16))[None, :]
-        t_2 = tl.exp(_row(s23, 0))[None, :]
-        t_3 = tl.exp(_row(s23, 16))[None, :]
         left01 = tl.exp(L01)
-        left23 = tl.exp(L23)
         right01 = k01 * tl.exp(R01)  # k e^R of sub-blocks 0 and 1
-        right23 = k23 * tl.exp(R23)
         right0, right1 = _halves_split(right01, BK)
-        right2, _ = _halves_split(right23, BK)
-
-        # A and P
         A01_0 = tl.dot(bk01 * left01, tl.trans(right0), A01_0, input_precision=DOT)
         P01_0 = tl.dot(q01 * left01, tl.trans(right0), P01_0, input_precision=DOT)
+        # exp(G) = e^L times the totals of the sub-blocks before
+        G01 = left01 * tl.where(second, t_0, 1.0)
+        _store_pair_rows(qd_out, 0, K, cols, col_ok, q01 * G01)
+        _store_pair_rows(bkd_out, 0, K, cols, col_ok, bk01 * G01)
+        right0_far = right0 * t_1
+
+        q23, k23, bk23, L23, R23, s23, key_bad = _pair(
+            *_pair_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok), 1, key_bad, BK)
+        t_2 = tl.exp(_row(s23, 0))[None, :]
+        t_3 = tl.exp(_row(s23, 16))[None, :]
+        left23 = tl.exp(L23)
+        right23 = k23 * tl.exp(R23)
+        right2, _ = _halves_split(right23, BK)
         A23_2 = tl.dot(bk23 * left23, tl.trans(right2), A23_2, input_precision=DOT)
         P23_2 = tl.dot(q23 * left23, tl.trans(right2), P23_2, input_precision=DOT)
         left23_far = left23 * tl.where(second, t_2, 1.0)
-        right0_far = right0 * t_1
         A23_0 = tl.dot(bk23 * left23_far, tl.trans(right0_far), A23_0, input_precision=DOT)
         P23_0 = tl.dot(q23 * left23_far, tl.trans(right0_far), P23_0, input_precision=DOT)
         A23_1 = tl.dot(bk23 * left23_far, tl.trans(right1), A23_1, input_precision=DOT)
         P23_1 = tl.dot(q23 * left23_far, tl.trans(right1), P23_1, input_precision=DOT)
-
-        # exp(G) = e^L times the totals of the sub-blocks before; exp(G_last - G) = e^R times those after
-        G01 = left01 * tl.where(second, t_0, 1.0)
         G23 = left23_far * (t_0 * t_1)
-        _store_pair_rows(qd_out, 0, K, cols, col_ok, q01 * G01)
-        _store_pair_rows(bkd_out, 0, K, cols, col_ok, bk01 * G01)
         _store_pair_rows(qd_out, 1, K, cols, col_ok, q23 * G23)
         _store_pair_rows(bkd_out, 1, K, cols, col_ok, bk23 * G23)
+        # exp(G_last - G) = e^R times the totals of the sub-blocks after
         _store_pair_rows(kd_out, 0, K, cols, col_ok, right01 * (t_2 * t_3) * tl.where(second, 1.0, t_1))
         _store_pair_rows(kd_out, 1, K, cols, col_ok, right23 * tl.where(second, 1.0, t_3))
         tl.store(gamma_out + chunk * K + cols[None, :], t_0 * t_1 * t_2 * t_3, mask=col_ok[None, :])
