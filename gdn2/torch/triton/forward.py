@@ -183,14 +183,15 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
-    """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
-    q, k, b, g and g one row on (``_sub_block``'s input)."""
-    r = tl.arange(0, 16)
-    t = t0 + I * 16 + r
+def _sub_block_load(q, k, b, g, key_base, t0, FIRST: tl.constexpr, ROWS: tl.constexpr, T, HK, cols, col_ok):
+    """The [ROWS, BK] tiles of the chunk's rows ``FIRST ...`` (a sub-block, ROWS = 16, or a pair
+    of sub-blocks stacked, 32) for one block of key columns as stored: q, k, b, g and g one row on
+    (none at a sub-block's last row; ``_sub_block``'s input)."""
+    r = tl.arange(0, ROWS)
+    t = t0 + FIRST + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
-    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
+    next_ok = ((r % 16 < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
@@ -201,43 +202,56 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_
 @triton.jit
 def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
     """``_sub_block_load`` of all four sub-blocks, issued together so that their latencies overlap."""
-    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok))
+    return (_sub_block_load(q, k, b, g, key_base, t0, 0, 16, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 16, 16, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 32, 16, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 48, 16, T, HK, cols, col_ok))
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad):
-    """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
+def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, FIRST: tl.constexpr, key_bad, ROWS: tl.constexpr,
+               BK: tl.constexpr):
+    """Inputs and span sums of the chunk's rows ``FIRST ...`` (a sub-block, or a stacked pair:
+    ``_sub_block_load``) from their stored tiles.
 
-    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
-    and the sub-block total ``L + R`` ([16, BK]: each row the whole span's sum, with no reduction
-    across rows) of the log decays, each summed over its own span, and ``key_bad``, updated to
-    the chunk's first bad key-side entries so far ([16, BK] int32, elementwise: the least 16 M + r
-    over the sub-blocks M seen whose k or b at row r is non-finite or whose g is NaN or +inf; 64
-    where there is none; reduced once after the key loop).
+    Returns q, k, b * k ([ROWS, BK] float32), the inclusive prefix ``L``, the exclusive suffix
+    ``R`` and the sub-block total ``L + R`` (each row the whole span's sum, with no reduction
+    across rows) of the log decays, each summed over its own span inside its sub-block, and
+    ``key_bad``, updated to the chunk's first bad key-side entries so far ([ROWS, BK] int32,
+    elementwise: the least row over the rows seen whose k or b is non-finite or whose g is NaN or
+    +inf; 64 where there is none; reduced once after the key loop).
     """
-    r = tl.arange(0, 16)
+    r = tl.arange(0, ROWS)
     q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
     g_tile = g_raw.to(tl.float32)
     bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
+    key_bad = tl.minimum(key_bad, tl.where(bad, FIRST + r[:, None], 64))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
-    L = tl.cumsum(_decay(g_tile), 0)
-    R = tl.cumsum(_decay(g_next_raw.to(tl.float32)), 0, reverse=True)
+    L = _in_sub_blocks(_decay(g_tile), ROWS, BK, False)
+    R = _in_sub_blocks(_decay(g_next_raw.to(tl.float32)), ROWS, BK, True)
     return q_tile, k_tile, bk, L, R, L + R, key_bad
 
 
 @triton.jit
-def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
-    """Store a [16, BK] tile at rows 16 I of a chunk's [64, K] rows (``base`` at the chunk's first
-    row), in the buffer's dtype; padded rows too (their tile is zero)."""
-    r = tl.arange(0, 16)
-    tl.store(base + (I * 16 + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
+def _in_sub_blocks(x, ROWS: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+    """The sums down the rows of a [ROWS, BK] tile inside each sub-block (16 rows), inclusive
+    (``REVERSE``: from the end). A stacked pair as [2, 16, BK] lies on one warp a sub-block (at two
+    warps, [32, BK] loads put 16 rows on each), so that no scan crosses the warps."""
+    if ROWS == 16:
+        return tl.cumsum(x, 0, reverse=REVERSE)
+    else:
+        return tl.reshape(tl.cumsum(tl.reshape(x, (2, 16, BK)), 1, reverse=REVERSE), (32, BK))
+
+
+@triton.jit
+def _store_rows(base, FIRST: tl.constexpr, ROWS: tl.constexpr, K, cols, col_ok, tile):
+    """Store a [ROWS, BK] tile at rows ``FIRST ...`` of a chunk's [64, K] rows (``base`` at the
+    chunk's first row), in the buffer's dtype; padded rows too (their tile is zero)."""
+    r = tl.arange(0, ROWS)
+    tl.store(base + (FIRST + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
              mask=(r >= 0)[:, None] & col_ok[None, :])
 
 
@@ -519,26 +533,26 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, 16, BK)
         left = tl.exp(L0)  # exp(G) on sub-block 0
-        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        _store_rows(qd_out, 0, 16, K, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, 16, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 16, key_bad, 16, BK)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
-        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        _store_rows(qd_out, 16, 16, K, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 16, 16, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 32, key_bad, 16, BK)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
@@ -546,14 +560,14 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
-        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        _store_rows(qd_out, 32, 16, K, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 32, 16, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 48, key_bad, 16, BK)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -562,64 +576,21 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
-        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        _store_rows(qd_out, 48, 16, K, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 48, 16, K, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
         r = tl.arange(0, 16)
         tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
                  mask=(r == 0)[:, None] & col_ok[None, :])
         # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
-        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
-        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
+        _store_rows(kd_out, 0, 16, K, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 16, 16, K, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 32, 16, K, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 48, 16, K, cols, col_ok, k3 * tl.exp(R3))
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
-
-
-@triton.jit
-def _pair_load(q, k, b, g, key_base, t0, p: tl.constexpr, T, HK, cols, col_ok):
-    """Sub-blocks 2p and 2p + 1 stacked (rows ``t0 + 32 p ...``), [32, BK] tiles of one block of
-    key columns as stored: q, k, b, g and g one row on (none at each sub-block's last row)."""
-    r = tl.arange(0, 32)
-    t = t0 + p * 32 + r
-    ok = (t < T)[:, None] & col_ok[None, :]
-    offsets = key_base + t[:, None] * HK + cols[None, :]
-    next_ok = ((r % 16 < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
-    k_raw = tl.load(k + offsets, mask=ok, other=0.0)
-    q_raw = tl.load(q + offsets, mask=ok, other=0.0)
-    b_raw = tl.load(b + offsets, mask=ok, other=0.0)
-    g_raw = tl.load(g + offsets, mask=ok, other=0.0)
-    return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
-
-
-@triton.jit
-def _in_halves(x, BK: tl.constexpr, REVERSE: tl.constexpr):
-    """The sums down the rows of a [32, BK] tile inside each half of 16 rows (a sub-block),
-    inclusive (``REVERSE``: from the end). As [2, 16, BK] the halves lie on one warp each (at two
-    warps, [32, BK] loads put 16 rows on each), so that no scan crosses the warps."""
-    return tl.reshape(tl.cumsum(tl.reshape(x, (2, 16, BK)), 1, reverse=REVERSE), (32, BK))
-
-
-@triton.jit
-def _pair(q_raw, k_raw, b_raw, g_raw, g_next_raw, p: tl.constexpr, key_bad, BK: tl.constexpr):
-    """``_sub_block`` for the stacked pair p ([32, BK] tiles, ``_pair_load``): q, k, b * k, the
-    inclusive prefix ``L`` and the exclusive suffix ``R`` of the log decays inside each sub-block,
-    their sum (each row its sub-block's total) and ``key_bad`` ([32, BK], 32 p + r at a bad row)."""
-    r = tl.arange(0, 32)
-    q_tile = q_raw.to(tl.float32)
-    k_raw = k_raw.to(tl.float32)
-    b_raw = b_raw.to(tl.float32)
-    g_tile = g_raw.to(tl.float32)
-    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad = tl.minimum(key_bad, tl.where(bad, p * 32 + r[:, None], 64))
-    k_tile = _finite(k_raw)
-    bk = _finite(b_raw) * k_tile
-    L = _in_halves(_decay(g_tile), BK, False)
-    R = _in_halves(_decay(g_next_raw.to(tl.float32)), BK, True)
-    return q_tile, k_tile, bk, L, R, L + R, key_bad
 
 
 @triton.jit
@@ -632,14 +603,6 @@ def _row(x, row: tl.constexpr):
 def _halves_split(x, BK: tl.constexpr):
     """The two halves of a [32, BK] tile, [16, BK] each."""
     return tl.split(tl.permute(tl.reshape(x, (2, 16, BK)), (1, 2, 0)))
-
-
-@triton.jit
-def _store_pair_rows(base, p: tl.constexpr, K, cols, col_ok, tile):
-    """Store a [32, BK] tile at rows 32 p of a chunk's [64, K] rows, in the buffer's dtype."""
-    r = tl.arange(0, 32)
-    tl.store(base + (p * 32 + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
-             mask=(r >= 0)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -687,8 +650,8 @@ def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_
         cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # the first pair whole before the second is loaded (fewer tiles live at once)
-        q01, k01, bk01, L01, R01, s01, key_bad = _pair(
-            *_pair_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok), 0, key_bad, BK)
+        q01, k01, bk01, L01, R01, s01, key_bad = _sub_block(
+            *_sub_block_load(q, k, b, g, key_base, t0, 0, 32, end, HK, cols, col_ok), 0, key_bad, 32, BK)
         t_0 = tl.exp(_row(s01, 0))[None, :]  # sub-block 0's total decay
         t_1 = tl.exp(_row(s01, 16))[None, :]
         left01 = tl.exp(L01)
@@ -698,12 +661,12 @@ def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_
         P01_0 = tl.dot(q01 * left01, tl.trans(right0), P01_0, input_precision=DOT)
         # exp(G) = e^L times the totals of the sub-blocks before
         G01 = left01 * tl.where(second, t_0, 1.0)
-        _store_pair_rows(qd_out, 0, K, cols, col_ok, q01 * G01)
-        _store_pair_rows(bkd_out, 0, K, cols, col_ok, bk01 * G01)
+        _store_rows(qd_out, 0, 32, K, cols, col_ok, q01 * G01)
+        _store_rows(bkd_out, 0, 32, K, cols, col_ok, bk01 * G01)
         right0_far = right0 * t_1
 
-        q23, k23, bk23, L23, R23, s23, key_bad = _pair(
-            *_pair_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok), 1, key_bad, BK)
+        q23, k23, bk23, L23, R23, s23, key_bad = _sub_block(
+            *_sub_block_load(q, k, b, g, key_base, t0, 32, 32, end, HK, cols, col_ok), 32, key_bad, 32, BK)
         t_2 = tl.exp(_row(s23, 0))[None, :]
         t_3 = tl.exp(_row(s23, 16))[None, :]
         left23 = tl.exp(L23)
@@ -717,11 +680,11 @@ def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_
         A23_1 = tl.dot(bk23 * left23_far, tl.trans(right1), A23_1, input_precision=DOT)
         P23_1 = tl.dot(q23 * left23_far, tl.trans(right1), P23_1, input_precision=DOT)
         G23 = left23_far * (t_0 * t_1)
-        _store_pair_rows(qd_out, 1, K, cols, col_ok, q23 * G23)
-        _store_pair_rows(bkd_out, 1, K, cols, col_ok, bk23 * G23)
+        _store_rows(qd_out, 32, 32, K, cols, col_ok, q23 * G23)
+        _store_rows(bkd_out, 32, 32, K, cols, col_ok, bk23 * G23)
         # exp(G_last - G) = e^R times the totals of the sub-blocks after
-        _store_pair_rows(kd_out, 0, K, cols, col_ok, right01 * (t_2 * t_3) * tl.where(second, 1.0, t_1))
-        _store_pair_rows(kd_out, 1, K, cols, col_ok, right23 * tl.where(second, 1.0, t_3))
+        _store_rows(kd_out, 0, 32, K, cols, col_ok, right01 * (t_2 * t_3) * tl.where(second, 1.0, t_1))
+        _store_rows(kd_out, 32, 32, K, cols, col_ok, right23 * tl.where(second, 1.0, t_3))
         tl.store(gamma_out + chunk * K + cols[None, :], t_0 * t_1 * t_2 * t_3, mask=col_ok[None, :])
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
