@@ -61,8 +61,9 @@ VARIANTS: list[dict] = [
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
     # the intra-forward launch on stacked pairs of sub-blocks, [32, 16] tiles with a sub-block on
     # each warp (scans inside a warp, no products held whole by both warps; 255 registers, 44 B
-    # of spills, 18% more instructions)
-    dict(INTRA_FORWARD_PAIRS=True),
+    # of spills, 18% more instructions); on the whole chunk, [64, 16] tiles at 4 warps
+    dict(INTRA_FORWARD_ROWS=32),
+    dict(INTRA_FORWARD_ROWS=64, INTRA_FORWARD_WARPS=4),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -141,22 +141,25 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
 
 
 @kernel_only
+@pytest.mark.parametrize("rows", [32, 64])
 @pytest.mark.parametrize("K, packed", [(64, False), (48, False), (32, True)], ids=["K64", "K48", "packed"])
-def test_intra_forward_pairs_match_spec(K, packed, seed, interpreter, monkeypatch):
-    """The intra-forward launch on stacked pairs of sub-blocks (``INTRA_FORWARD_PAIRS``, a variant
-    to time): output, final state and every gradient against the spec in float32, with a hard
-    reset and a step of -1e6; T = 70 (a full chunk and a short one), key blocks that divide K (64)
-    and that do not (48); packed, sequences of 37, 16 and 30 tokens."""
+def test_intra_forward_stacked_match_spec(rows, K, packed, seed, interpreter, monkeypatch):
+    """The intra-forward launch on stacked sub-blocks (``INTRA_FORWARD_ROWS`` 32 and 64, variants to
+    time): output, final state and every gradient against the spec in float32, with a hard reset
+    and a step of -1e6; T = 70 (a full chunk and a short one), key blocks that divide K (64) and
+    that do not (48), slow decay (g in [-0.1, 0]: the tiles two and three sub-blocks apart, whose
+    decays go on the left factors, are not negligible); packed, sequences of 37, 16 and 30
+    tokens."""
     from gdn2.testing import packed_case
     from gdn2.torch.triton import forward
 
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRS", True)
+    monkeypatch.setattr(forward, "INTRA_FORWARD_ROWS", rows)
     if packed:
         case = packed_case(seed, [37, 16, 30], K=K, V=16)
         case["inputs"]["g"][0, 20, 1] = -np.inf
         case["inputs"]["g"][0, 60, 0] = -1e6
     else:
-        case = make_case(2, 70, 2, K, 16, seed, log_decay_range=(-5.0, 0.0), reference=False)
+        case = make_case(2, 70, 2, K, 16, seed, log_decay_range=(-0.1, 0.0), reference=False)
         case["inputs"]["g"][0, 30, 1] = -np.inf
         case["inputs"]["g"][1, 64, 0] = -1e6
     _assert_float32_kernel_matches(with_expected(case), seed)
@@ -519,25 +522,27 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
             assert error <= 1e-5, (name, I, error, seed)
 
 
-@pytest.mark.parametrize("packed, dtype, in_bfloat16, pairs", [
-    (False, torch.float32, None, False), (True, torch.bfloat16, None, False),
-    (False, torch.bfloat16, WIDEST_BFLOAT16, False), (False, torch.float32, None, True),
-    (True, torch.bfloat16, None, True)],
-    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest", "batch-float32-pairs", "packed-bfloat16-pairs"])
-def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, pairs, seed, interpreter, monkeypatch):
+@pytest.mark.parametrize("packed, dtype, in_bfloat16, rows", [
+    (False, torch.float32, None, 16), (True, torch.bfloat16, None, 16),
+    (False, torch.bfloat16, WIDEST_BFLOAT16, 16),
+    (False, torch.float32, None, 32), (True, torch.bfloat16, None, 32), (False, torch.float32, None, 64),
+    (True, torch.bfloat16, None, 64)],
+    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest", "batch-float32-pairs", "packed-bfloat16-pairs",
+         "batch-float32-chunk", "packed-bfloat16-chunk"])
+def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, rows, seed, interpreter, monkeypatch):
     """The in-chunk launches write every entry of the buffers they fill (P's tiles and X's, the
     upper tiles zero), on random inputs with hard resets
     (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
     +inf in v and in w, padded rows and a partial last block of key columns (K = 40): buffers
     filled with NaN come back finite, first_bad marks the bad chunks and columns only. Also with
     every buffer that can be bfloat16 in bfloat16 (A then in a float32 scratch buffer, X rounded
-    on its store). Also with the intra-forward launch on stacked pairs of sub-blocks
-    (``INTRA_FORWARD_PAIRS``)."""
+    on its store). Also with the intra-forward launch on stacked sub-blocks (``INTRA_FORWARD_ROWS``
+    32 and 64)."""
     from gdn2.torch.triton import forward
 
     if in_bfloat16 is not None:
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRS", pairs)
+    monkeypatch.setattr(forward, "INTRA_FORWARD_ROWS", rows)
     filled, first_bad = _intra_forward_filled(packed, dtype, seed)
     assert (first_bad < 64).any() and (first_bad == 64).any() and (first_bad >= 0).all()
     for name, buffer in filled.items():

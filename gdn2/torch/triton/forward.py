@@ -61,9 +61,10 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
-# The intra-forward launch on sub-blocks in stacked pairs ([32, BK] tiles, ``_off_diagonal_pairs``)
-# in place of one [16, BK] tile each: a variant to time.
-INTRA_FORWARD_PAIRS = False
+# Rows of the intra-forward launch's tiles: 16, a sub-block each (``_off_diagonal_tiles``); 32,
+# sub-blocks in stacked pairs (``_off_diagonal_pairs``, at 2 warps); 64, the whole chunk
+# (``_off_diagonal_chunk``, at 4 warps). 32 and 64 are variants to time.
+INTRA_FORWARD_ROWS = 16
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
@@ -238,12 +239,13 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, FIRST: tl.constexpr, key_
 @triton.jit
 def _in_sub_blocks(x, ROWS: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
     """The sums down the rows of a [ROWS, BK] tile inside each sub-block (16 rows), inclusive
-    (``REVERSE``: from the end). A stacked pair as [2, 16, BK] lies on one warp a sub-block (at two
-    warps, [32, BK] loads put 16 rows on each), so that no scan crosses the warps."""
+    (``REVERSE``: from the end). Stacked sub-blocks as [ROWS / 16, 16, BK] lie on one warp each
+    ([32, BK] loads at two warps and [64, BK] loads at four put 16 rows on each warp), so that no
+    scan crosses the warps."""
     if ROWS == 16:
         return tl.cumsum(x, 0, reverse=REVERSE)
     else:
-        return tl.reshape(tl.cumsum(tl.reshape(x, (2, 16, BK)), 1, reverse=REVERSE), (32, BK))
+        return tl.reshape(tl.cumsum(tl.reshape(x, (ROWS // 16, 16, BK)), 1, reverse=REVERSE), (ROWS, BK))
 
 
 @triton.jit
@@ -447,7 +449,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -467,7 +469,10 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if PAIRS:
+    if ROWS == 64:
+        _off_diagonal_chunk(q, k, b, g, key_base, t0, end, HK, P_out + chunk * 64 * 64, A_out + chunk * 64 * 64,
+                            qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out, chunk, K, BK, DOT, STAGES)
+    elif ROWS == 32:
         _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_out + chunk * 64 * 64, A_out + chunk * 64 * 64,
                             qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out, chunk, K, BK, DOT, STAGES)
     else:
@@ -706,6 +711,110 @@ def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_
 
 
 @triton.jit
+def _each_sub_block(x, BK: tl.constexpr):
+    """Four [64, BK] tiles, the M-th holding in every sub-block's rows x's rows of sub-block M: sums
+    across the warps (through shared memory), no shuffles down the rows."""
+    blocks = tl.reshape(x, (4, 16, BK))
+    m = tl.arange(0, 4)[:, None, None]
+    x0 = tl.sum(tl.where(m == 0, blocks, 0.0), 0)[None, :, :]
+    x1 = tl.sum(tl.where(m == 1, blocks, 0.0), 0)[None, :, :]
+    x2 = tl.sum(tl.where(m == 2, blocks, 0.0), 0)[None, :, :]
+    x3 = tl.sum(tl.where(m == 3, blocks, 0.0), 0)[None, :, :]
+    return (_every_sub_block(x0, BK), _every_sub_block(x1, BK), _every_sub_block(x2, BK), _every_sub_block(x3, BK))
+
+
+@triton.jit
+def _every_sub_block(x, BK: tl.constexpr):
+    """A [1, 16, BK] tile repeated in each sub-block's rows of a [64, BK] tile."""
+    return tl.reshape(tl.broadcast_to(x, (4, 16, BK)), (64, BK))
+
+
+@triton.jit
+def _quarters(x, BK: tl.constexpr):
+    """The four sub-blocks' rows of a [64, BK] tile, [16, BK] each."""
+    pairs = tl.reshape(tl.permute(tl.reshape(x, (4, 16, BK)), (1, 2, 0)), (16, BK, 2, 2))
+    first, second = tl.split(pairs)  # sub-blocks 0, 2 and 1, 3
+    x0, x2 = tl.split(first)
+    x1, x3 = tl.split(second)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _store_column_below(matrix, J: tl.constexpr, tile, ZEROS_ABOVE: tl.constexpr):
+    """A [64, 16] product's rows below sub-block J as the tiles (I, J), I > J, of a chunk matrix,
+    in its dtype; with ``ZEROS_ABOVE``, zeros in the tiles (I, J), I < J."""
+    r = tl.arange(0, 64)
+    c = tl.arange(0, 16)
+    below = r >= 16 * (J + 1)
+    values = tl.where(below[:, None], tile, 0.0).to(matrix.dtype.element_ty)
+    tl.store(matrix + r[:, None] * 64 + J * 16 + c[None, :], values,
+             mask=(below | (ZEROS_ABOVE & (r < 16 * J)))[:, None] & (c >= 0)[None, :])
+
+
+@triton.jit
+def _off_diagonal_chunk(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_out, kd_out, bkd_out, gamma_out,
+                        key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                        STAGES: tl.constexpr):
+    """``_off_diagonal_tiles`` on the whole chunk as [64, BK] tiles, whose sub-blocks lie on one warp
+    each at four warps: every scan stays inside a warp, and a [64, BK] x [BK, 16] product against
+    sub-block J's right factors ``k e^R`` gives each warp its own rows, the tiles (I, J) for every
+    I > J at once (the rows I <= J discarded), with each sub-block's left factors ``x e^L`` times
+    the total decays ``t_M`` of the sub-blocks between (J < M < I). The tiles it stores, and the
+    rest of P's, are stored here."""
+    A0 = tl.zeros((64, 16), dtype=tl.float32)  # the tiles (I, 0), I > 0
+    A1 = tl.zeros((64, 16), dtype=tl.float32)
+    A2 = tl.zeros((64, 16), dtype=tl.float32)
+    P0 = tl.zeros((64, 16), dtype=tl.float32)
+    P1 = tl.zeros((64, 16), dtype=tl.float32)
+    P2 = tl.zeros((64, 16), dtype=tl.float32)
+    key_bad = tl.full((64, BK), 64, dtype=tl.int32)
+    qd_out += chunk * 64 * K
+    kd_out += chunk * 64 * K
+    bkd_out += chunk * 64 * K
+    sub = (tl.arange(0, 64) // 16)[:, None]  # each row's sub-block
+
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        q4, k4, bk4, L4, R4, s4, key_bad = _sub_block(
+            *_sub_block_load(q, k, b, g, key_base, t0, 0, 64, end, HK, cols, col_ok), 0, key_bad, 64, BK)
+        s_0, s_1, s_2, s_3 = _each_sub_block(s4, BK)
+        t_0 = tl.exp(s_0)  # sub-block 0's total decay, in every row
+        t_1 = tl.exp(s_1)
+        t_2 = tl.exp(s_2)
+        t_3 = tl.exp(s_3)
+        left = tl.exp(L4)
+        right = k4 * tl.exp(R4)  # k e^R
+        right0, right1, right2, _ = _quarters(right, BK)
+        between1 = tl.where(sub >= 3, t_2, 1.0)  # the decays strictly between sub-block 1 and each row's
+        between0 = between1 * tl.where(sub >= 2, t_1, 1.0)
+        A0 = tl.dot(bk4 * left * between0, tl.trans(right0), A0, input_precision=DOT)
+        P0 = tl.dot(q4 * left * between0, tl.trans(right0), P0, input_precision=DOT)
+        A1 = tl.dot(bk4 * left * between1, tl.trans(right1), A1, input_precision=DOT)
+        P1 = tl.dot(q4 * left * between1, tl.trans(right1), P1, input_precision=DOT)
+        A2 = tl.dot(bk4 * left, tl.trans(right2), A2, input_precision=DOT)
+        P2 = tl.dot(q4 * left, tl.trans(right2), P2, input_precision=DOT)
+        # exp(G) = e^L times the totals of the sub-blocks before; exp(G_last - G) = e^R times those after
+        G = left * tl.where(sub >= 1, t_0, 1.0) * tl.where(sub >= 2, t_1, 1.0) * tl.where(sub >= 3, t_2, 1.0)
+        _store_rows(qd_out, 0, 64, K, cols, col_ok, q4 * G)
+        _store_rows(bkd_out, 0, 64, K, cols, col_ok, bk4 * G)
+        after = tl.where(sub <= 0, t_1, 1.0) * tl.where(sub <= 1, t_2, 1.0) * tl.where(sub <= 2, t_3, 1.0)
+        _store_rows(kd_out, 0, 64, K, cols, col_ok, right * after)
+        r = tl.arange(0, 64)
+        tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], t_0 * t_1 * t_2 * t_3,
+                 mask=(r == 0)[:, None] & col_ok[None, :])
+
+    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
+    _store_column_below(P_chunk, 0, P0, True)
+    _store_column_below(P_chunk, 1, P1, True)
+    _store_column_below(P_chunk, 2, P2, True)
+    _store_column_below(P_chunk, 3, tl.zeros((64, 16), dtype=tl.float32), True)
+    _store_column_below(A_chunk, 0, A0, False)
+    _store_column_below(A_chunk, 1, A1, False)
+    _store_column_below(A_chunk, 2, A2, False)
+
+
+@triton.jit
 def _blocked(a, b, PRECISION: tl.constexpr):
     """A 16x16 product of the blocked inverse in the operator's dot precision ("tf32"; "ieee",
     exact float32; "tf32x3", three tensor-core passes, measured slower on the H200)."""
@@ -878,7 +987,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRS=INTRA_FORWARD_PAIRS, num_warps=INTRA_FORWARD_WARPS,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, ROWS=INTRA_FORWARD_ROWS, num_warps=INTRA_FORWARD_WARPS,
         num_stages=1,
         **register_cap("intra_forward"),
     )
