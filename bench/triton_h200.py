@@ -64,6 +64,9 @@ VARIANTS: list[dict] = [
     # of spills, 18% more instructions); on the whole chunk, [64, 16] tiles at 4 warps
     dict(INTRA_FORWARD_ROWS=32),
     dict(INTRA_FORWARD_ROWS=64, INTRA_FORWARD_WARPS=4),
+    # scale P^T dO made by a parallel launch before the reverse state pass (one product fewer a
+    # chunk in its loop, d_U read in place of P)
+    dict(STATE_BACKWARD_LOCAL_DU=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

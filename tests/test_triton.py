@@ -165,6 +165,26 @@ def test_intra_forward_stacked_match_spec(rows, K, packed, seed, interpreter, mo
     _assert_float32_kernel_matches(with_expected(case), seed)
 
 
+@kernel_only
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_state_backward_local_du_matches_spec(packed, seed, interpreter, monkeypatch):
+    """The reverse state pass with ``scale P^T dO`` made by a launch of its own before it
+    (``STATE_BACKWARD_LOCAL_DU``, a variant to time): output, final state and every gradient
+    against the spec in float32, with a hard reset; T = 140 (three chunks, the last short), V = 24
+    (a partial block of value columns); packed, sequences of 37, 70 and 30 tokens."""
+    from gdn2.testing import packed_case
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(backward, "STATE_BACKWARD_LOCAL_DU", True)
+    if packed:
+        case = packed_case(seed, [37, 70, 30], K=16, V=24)
+        case["inputs"]["g"][0, 50, 1] = -np.inf
+    else:
+        case = make_case(1, 140, 2, 16, 24, seed, log_decay_range=(-0.5, 0.0), reference=False)
+        case["inputs"]["g"][0, 90, 1] = -np.inf
+    _assert_float32_kernel_matches(with_expected(case), seed)
+
+
 def _bfloat16_products(monkeypatch, on: bool) -> None:
     from gdn2.torch.triton import forward
 
@@ -612,6 +632,7 @@ def test_register_caps_name_launches():
 
     asked = set(re.findall(r'register_cap\("(\w+)"\)', inspect.getsource(forward) + inspect.getsource(backward)))
     assert {"diagonal", "intra_forward", "inverse", "wy", "state_forward", "output", "state_backward",
-            "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient"} == asked
+            "local_values_gradient", "intra_backward_contract", "intra_backward_values", "intra_backward_keys",
+            "gate_gradient"} == asked
     assert set(forward.MAX_REGISTERS) <= asked
     assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())
