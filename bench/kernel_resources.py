@@ -372,12 +372,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._output_kernel,
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=min(64, max(16, triton.next_power_of_2(V))), DOT=dot, PACKED=packed,
+        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=fk.chunk_value_block(V), DOT=dot, PACKED=packed,
              BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
         fk.OUTPUT_WARPS,
     )
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
-    PROGRAMS["output"] = -(-V // min(64, max(16, triton.next_power_of_2(V)))) * chunks * heads
+    PROGRAMS["output"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
     bw = backward
     out["state_backward"] = (
         bw._state_backward_kernel,
@@ -391,7 +391,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["state_backward"] = [chunks]
     PROGRAMS["state_backward"] = -(-V // fk.value_block(V, heads)) * heads
     if bw.STATE_BACKWARD_LOCAL_DU:
-        value_cols = min(64, max(16, triton.next_power_of_2(V)))
+        value_cols = fk.chunk_value_block(V)
         out["local_values_gradient"] = (
             bw._local_values_gradient_kernel, dict(P=saved("P"), d_o=inp, d_U=f32, chunk_table="i32"),
             dict(scale="fp32"), dict(V=V, BV=value_cols, DOT=dot, PACKED=packed), 4,

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, register_cap, value_block
+from .forward import (CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, chunk_value_block, register_cap,
+                      value_block)
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
     B, T, H, V = d_o.shape
     N, K = d_leaving.shape[2], d_leaving.shape[3]
     if STATE_BACKWARD_LOCAL_DU:
-        block = min(64, max(16, triton.next_power_of_2(V)))
+        block = chunk_value_block(V)
         _local_values_gradient_kernel[(triton.cdiv(V, block), N, B * H)](
             P, d_o, d_U, _table(chunk_table, d_o), scale, T, H, V, N, BV=block, DOT=dot_precision,
             PACKED=chunk_table is not None, num_warps=4, num_stages=1, **register_cap("local_values_gradient"),

@@ -693,13 +693,7 @@ def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_
         tl.store(gamma_out + chunk * K + cols[None, :], t_0 * t_1 * t_2 * t_3, mask=col_ok[None, :])
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    _store_tile(P_chunk, 0, 1, zero)
-    _store_tile(P_chunk, 0, 2, zero)
-    _store_tile(P_chunk, 0, 3, zero)
-    _store_tile(P_chunk, 1, 2, zero)
-    _store_tile(P_chunk, 1, 3, zero)
-    _store_tile(P_chunk, 2, 3, zero)
+    _store_upper_zeros(P_chunk)
     _store_tile_halves(P_chunk, 0, 1, 0, P01_0, False)
     _store_tile_halves(P_chunk, 2, 3, 0, P23_0, True)
     _store_tile_halves(P_chunk, 2, 3, 1, P23_1, True)
@@ -862,6 +856,13 @@ def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A3
 def _store_P(matrix, P10, P20, P21, P30, P31, P32):
     """P's tiles off the diagonal of one chunk (the upper ones zero; ``_diagonal_kernel`` writes the
     diagonal ones)."""
+    _store_upper_zeros(matrix)
+    _store_below(matrix, P10, P20, P21, P30, P31, P32)
+
+
+@triton.jit
+def _store_upper_zeros(matrix):
+    """Zeros in the six 16x16 tiles above the diagonal of one chunk matrix."""
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 1, zero)
     _store_tile(matrix, 0, 2, zero)
@@ -869,7 +870,6 @@ def _store_P(matrix, P10, P20, P21, P30, P31, P32):
     _store_tile(matrix, 1, 2, zero)
     _store_tile(matrix, 1, 3, zero)
     _store_tile(matrix, 2, 3, zero)
-    _store_below(matrix, P10, P20, P21, P30, P31, P32)
 
 
 @triton.jit
@@ -1060,10 +1060,16 @@ def _state_forward_kernel(
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
 
 
+def chunk_value_block(V: int) -> int:
+    """Columns of V per program in the launches of one program per chunk, head and block of value
+    columns (the output, d_U's in-chunk part), and the most the sequential passes take."""
+    return min(64, max(16, triton.next_power_of_2(V)))
+
+
 def value_block(V: int, programs_per_block: int) -> int:
     """Columns of V per program in the sequential passes: smaller blocks when there are few heads,
     so that the GPU has enough programs (at least about two per multiprocessor)."""
-    block = min(64, max(16, triton.next_power_of_2(V)))
+    block = chunk_value_block(V)
     while block > 16 and programs_per_block * triton.cdiv(V, block) < STATE_MIN_PROGRAMS:
         block //= 2
     return block
@@ -1133,7 +1139,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
     B, T, H, V = o.shape
     N, K = states.shape[2], states.shape[3]
     BK = min(OUTPUT_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = chunk_value_block(V)
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
