@@ -329,8 +329,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
-                 ROWS=fk.INTRA_FORWARD_ROWS),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
@@ -384,19 +383,11 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32, d_leaving=f32,
              d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]
     PROGRAMS["state_backward"] = -(-V // fk.value_block(V, heads)) * heads
-    if bw.STATE_BACKWARD_LOCAL_DU:
-        value_cols = fk.chunk_value_block(V)
-        out["local_values_gradient"] = (
-            bw._local_values_gradient_kernel, dict(P=saved("P"), d_o=inp, d_U=f32, chunk_table="i32"),
-            dict(scale="fp32"), dict(V=V, BV=value_cols, DOT=dot, PACKED=packed), 4,
-        )
-        PROGRAMS["local_values_gradient"] = -(-V // value_cols) * chunks * heads
     blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),
                   BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))), C=64, DOT=dot,
                   PACKED=packed)

@@ -59,14 +59,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the intra-forward launch on stacked pairs of sub-blocks, [32, 16] tiles with a sub-block on
-    # each warp (scans inside a warp, no products held whole by both warps; 255 registers, 44 B
-    # of spills, 18% more instructions); on the whole chunk, [64, 16] tiles at 4 warps
-    dict(INTRA_FORWARD_ROWS=32),
-    dict(INTRA_FORWARD_ROWS=64, INTRA_FORWARD_WARPS=4),
-    # scale P^T dO made by a parallel launch before the reverse state pass (one product fewer a
-    # chunk in its loop, d_U read in place of P)
-    dict(STATE_BACKWARD_LOCAL_DU=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

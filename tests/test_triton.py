@@ -140,51 +140,6 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     _assert_float32_kernel_matches(with_expected(case), seed)
 
 
-@kernel_only
-@pytest.mark.parametrize("rows", [32, 64])
-@pytest.mark.parametrize("K, packed", [(40, False), (32, True)], ids=["K40", "packed"])
-def test_intra_forward_stacked_match_spec(rows, K, packed, seed, interpreter, monkeypatch):
-    """The intra-forward launch on stacked sub-blocks (``INTRA_FORWARD_ROWS`` 32 and 64, variants to
-    time): output, final state and every gradient against the spec in float32, with a hard reset
-    and a step of -1e6; T = 70 (a full chunk and a short one), a partial last key block (K = 40),
-    slow decay (g in [-0.1, 0]: the tiles two and three sub-blocks apart, whose
-    decays go on the left factors, are not negligible); packed, sequences of 37, 16 and 30
-    tokens."""
-    from gdn2.testing import packed_case
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "INTRA_FORWARD_ROWS", rows)
-    if packed:
-        case = packed_case(seed, [37, 16, 30], K=K, V=16)
-        case["inputs"]["g"][0, 20, 1] = -np.inf
-        case["inputs"]["g"][0, 60, 0] = -1e6
-    else:
-        case = make_case(2, 70, 2, K, 16, seed, log_decay_range=(-0.1, 0.0), reference=False)
-        case["inputs"]["g"][0, 30, 1] = -np.inf
-        case["inputs"]["g"][1, 64, 0] = -1e6
-    _assert_float32_kernel_matches(with_expected(case), seed)
-
-
-@kernel_only
-@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_state_backward_local_du_matches_spec(packed, seed, interpreter, monkeypatch):
-    """The reverse state pass with ``scale P^T dO`` made by a launch of its own before it
-    (``STATE_BACKWARD_LOCAL_DU``, a variant to time): output, final state and every gradient
-    against the spec in float32, with a hard reset; T = 140 (three chunks, the last short), V = 24
-    (a partial block of value columns); packed, sequences of 37, 70 and 30 tokens."""
-    from gdn2.testing import packed_case
-    from gdn2.torch.triton import backward
-
-    monkeypatch.setattr(backward, "STATE_BACKWARD_LOCAL_DU", True)
-    if packed:
-        case = packed_case(seed, [37, 70, 30], K=16, V=24)
-        case["inputs"]["g"][0, 50, 1] = -np.inf
-    else:
-        case = make_case(1, 140, 2, 16, 24, seed, log_decay_range=(-0.5, 0.0), reference=False)
-        case["inputs"]["g"][0, 90, 1] = -np.inf
-    _assert_float32_kernel_matches(with_expected(case), seed)
-
-
 def _bfloat16_products(monkeypatch, on: bool) -> None:
     from gdn2.torch.triton import forward
 
@@ -542,25 +497,19 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
             assert error <= 1e-5, (name, I, error, seed)
 
 
-@pytest.mark.parametrize("packed, dtype, in_bfloat16, rows", [
-    (False, torch.float32, None, 16), (True, torch.bfloat16, None, 16),
-    (False, torch.bfloat16, WIDEST_BFLOAT16, 16),
-    (True, torch.bfloat16, None, 32), (False, torch.float32, None, 64)],
-    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest", "packed-bfloat16-pairs", "batch-float32-chunk"])
-def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, rows, seed, interpreter, monkeypatch):
+@pytest.mark.parametrize("packed, dtype, in_bfloat16", [
+    (False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, WIDEST_BFLOAT16)],
+    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest"])
+def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, interpreter, monkeypatch):
     """The in-chunk launches write every entry of the buffers they fill (P's tiles and X's, the
     upper tiles zero), on random inputs with hard resets
     (g = -inf mid sub-block and at a sub-block's first row), a NaN in g, a non-finite k and b, a
     +inf in v and in w, padded rows and a partial last block of key columns (K = 40): buffers
     filled with NaN come back finite, first_bad marks the bad chunks and columns only. Also with
     every buffer that can be bfloat16 in bfloat16 (A then in a float32 scratch buffer, X rounded
-    on its store). Also with the intra-forward launch on stacked sub-blocks (``INTRA_FORWARD_ROWS``
-    32 and 64)."""
-    from gdn2.torch.triton import forward
-
+    on its store)."""
     if in_bfloat16 is not None:
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-    monkeypatch.setattr(forward, "INTRA_FORWARD_ROWS", rows)
     filled, first_bad = _intra_forward_filled(packed, dtype, seed)
     assert (first_bad < 64).any() and (first_bad == 64).any() and (first_bad >= 0).all()
     for name, buffer in filled.items():
@@ -632,7 +581,6 @@ def test_register_caps_name_launches():
 
     asked = set(re.findall(r'register_cap\("(\w+)"\)', inspect.getsource(forward) + inspect.getsource(backward)))
     assert {"diagonal", "intra_forward", "inverse", "wy", "state_forward", "output", "state_backward",
-            "local_values_gradient", "intra_backward_contract", "intra_backward_values", "intra_backward_keys",
-            "gate_gradient"} == asked
+            "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient"} == asked
     assert set(forward.MAX_REGISTERS) <= asked
     assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())

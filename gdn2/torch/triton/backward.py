@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, chunk_value_block, register_cap,
-                      value_block)
+from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, register_cap, value_block
 
 
 @triton.jit
@@ -39,7 +38,6 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    LOCAL_DU: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -69,13 +67,9 @@ def _state_backward_kernel(
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        values = (row0 + rows[:, None]) * V + cols_v[None, :]
-        if LOCAL_DU:  # scale P^T dO is in d_U already (_local_values_gradient_kernel)
-            dU = tl.load(d_U + values, mask=v_ok[None, :], other=0.0) + tl.dot(kd_tile, d_state, input_precision=DOT)
-        else:
-            P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
-        tl.store(d_U + values, dU, mask=v_ok[None, :])
+        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
+        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
         qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
@@ -88,49 +82,12 @@ def _state_backward_kernel(
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
 
-@triton.jit
-def _local_values_gradient_kernel(
-    P, d_o, d_U,  # [B, H, N, 64, 64], [B, T, H, V], [B, H, N * 64, V] float32 (written)
-    chunk_table, scale, T, H, V: tl.constexpr, N, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-):
-    """The in-chunk part of d_U, ``scale P^T dO``, of one chunk, head and block of value columns,
-    for the reverse state pass to add ``kd d_leaving`` to (``STATE_BACKWARD_LOCAL_DU``)."""
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_bh = tl.program_id(2).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    rows = tl.arange(0, 64)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    v_ok = cols_v < V
-    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    t = first + rows
-    d_out = tl.load(d_o + i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :],
-                    mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
-    P_tile = tl.load(P + (i_bh * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
-    tl.store(d_U + (i_bh * N * 64 + i_n * 64 + rows[:, None]) * V + cols_v[None, :],
-             tl.dot(tl.trans(P_tile), d_out, input_precision=DOT), mask=(rows >= 0)[:, None] & v_ok[None, :])
-
-
-# scale P^T dO made by a parallel launch before the reverse state pass (which then loads it with
-# d_U in place of P and does one product fewer a chunk, as flash-linear-attention does): a variant
-# to time.
-STATE_BACKWARD_LOCAL_DU = False
-
-
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
                    chunk_table=None, sequence_chunks=None) -> None:
     """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``), one
-    program per state row (batch row, or sequence with packed sequences) and head; with
-    ``STATE_BACKWARD_LOCAL_DU``, ``_local_values_gradient_kernel`` before it."""
+    program per state row (batch row, or sequence with packed sequences) and head."""
     B, T, H, V = d_o.shape
     N, K = d_leaving.shape[2], d_leaving.shape[3]
-    if STATE_BACKWARD_LOCAL_DU:
-        block = chunk_value_block(V)
-        _local_values_gradient_kernel[(triton.cdiv(V, block), N, B * H)](
-            P, d_o, d_U, _table(chunk_table, d_o), scale, T, H, V, N, BV=block, DOT=dot_precision,
-            PACKED=chunk_table is not None, num_warps=4, num_stages=1, **register_cap("local_values_gradient"),
-        )
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
@@ -140,8 +97,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, LOCAL_DU=STATE_BACKWARD_LOCAL_DU, num_warps=STATE_WARPS, num_stages=1,
-        **register_cap("state_backward"),
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
 

@@ -61,10 +61,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
-# Rows of the intra-forward launch's tiles: 16, a sub-block each (``_off_diagonal_tiles``); 32,
-# sub-blocks in stacked pairs (``_off_diagonal_pairs``, at 2 warps); 64, the whole chunk
-# (``_off_diagonal_chunk``, at 4 warps). 32 and 64 are variants to time.
-INTRA_FORWARD_ROWS = 16
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
@@ -184,15 +180,14 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block_load(q, k, b, g, key_base, t0, FIRST: tl.constexpr, ROWS: tl.constexpr, T, HK, cols, col_ok):
-    """The [ROWS, BK] tiles of the chunk's rows ``FIRST ...`` (a sub-block, ROWS = 16, or a pair
-    of sub-blocks stacked, 32) for one block of key columns as stored: q, k, b, g and g one row on
-    (none at a sub-block's last row; ``_sub_block``'s input)."""
-    r = tl.arange(0, ROWS)
-    t = t0 + FIRST + r
+def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
+    """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
+    q, k, b, g and g one row on (``_sub_block``'s input)."""
+    r = tl.arange(0, 16)
+    t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
-    next_ok = ((r % 16 < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
+    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
@@ -203,57 +198,43 @@ def _sub_block_load(q, k, b, g, key_base, t0, FIRST: tl.constexpr, ROWS: tl.cons
 @triton.jit
 def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
     """``_sub_block_load`` of all four sub-blocks, issued together so that their latencies overlap."""
-    return (_sub_block_load(q, k, b, g, key_base, t0, 0, 16, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 16, 16, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 32, 16, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 48, 16, T, HK, cols, col_ok))
+    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok))
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, FIRST: tl.constexpr, key_bad, ROWS: tl.constexpr,
-               BK: tl.constexpr):
-    """Inputs and span sums of the chunk's rows ``FIRST ...`` (a sub-block, or a stacked pair:
-    ``_sub_block_load``) from their stored tiles.
+def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad):
+    """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
-    Returns q, k, b * k ([ROWS, BK] float32), the inclusive prefix ``L``, the exclusive suffix
-    ``R`` and the sub-block total ``L + R`` (each row the whole span's sum, with no reduction
-    across rows) of the log decays, each summed over its own span inside its sub-block, and
-    ``key_bad``, updated to the chunk's first bad key-side entries so far ([ROWS, BK] int32,
-    elementwise: the least row over the rows seen whose k or b is non-finite or whose g is NaN or
-    +inf; 64 where there is none; reduced once after the key loop).
+    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
+    and the sub-block total ``L + R`` ([16, BK]: each row the whole span's sum, with no reduction
+    across rows) of the log decays, each summed over its own span, and ``key_bad``, updated to
+    the chunk's first bad key-side entries so far ([16, BK] int32, elementwise: the least 16 M + r
+    over the sub-blocks M seen whose k or b at row r is non-finite or whose g is NaN or +inf; 64
+    where there is none; reduced once after the key loop).
     """
-    r = tl.arange(0, ROWS)
+    r = tl.arange(0, 16)
     q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
     g_tile = g_raw.to(tl.float32)
     bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad = tl.minimum(key_bad, tl.where(bad, FIRST + r[:, None], 64))
+    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
-    L = _in_sub_blocks(_decay(g_tile), ROWS, BK, False)
-    R = _in_sub_blocks(_decay(g_next_raw.to(tl.float32)), ROWS, BK, True)
+    L = tl.cumsum(_decay(g_tile), 0)
+    R = tl.cumsum(_decay(g_next_raw.to(tl.float32)), 0, reverse=True)
     return q_tile, k_tile, bk, L, R, L + R, key_bad
 
 
 @triton.jit
-def _in_sub_blocks(x, ROWS: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
-    """The sums down the rows of a [ROWS, BK] tile inside each sub-block (16 rows), inclusive
-    (``REVERSE``: from the end). Stacked sub-blocks as [ROWS / 16, 16, BK] lie on one warp each
-    ([32, BK] loads at two warps and [64, BK] loads at four put 16 rows on each warp), so that no
-    scan crosses the warps."""
-    if ROWS == 16:
-        return tl.cumsum(x, 0, reverse=REVERSE)
-    else:
-        return tl.reshape(tl.cumsum(tl.reshape(x, (ROWS // 16, 16, BK)), 1, reverse=REVERSE), (ROWS, BK))
-
-
-@triton.jit
-def _store_rows(base, FIRST: tl.constexpr, ROWS: tl.constexpr, K, cols, col_ok, tile):
-    """Store a [ROWS, BK] tile at rows ``FIRST ...`` of a chunk's [64, K] rows (``base`` at the
-    chunk's first row), in the buffer's dtype; padded rows too (their tile is zero)."""
-    r = tl.arange(0, ROWS)
-    tl.store(base + (FIRST + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
+def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
+    """Store a [16, BK] tile at rows 16 I of a chunk's [64, K] rows (``base`` at the chunk's first
+    row), in the buffer's dtype; padded rows too (their tile is zero)."""
+    r = tl.arange(0, 16)
+    tl.store(base + (I * 16 + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
              mask=(r >= 0)[:, None] & col_ok[None, :])
 
 
@@ -449,7 +430,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -469,18 +450,11 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if ROWS == 64:
-        _off_diagonal_chunk(q, k, b, g, key_base, t0, end, HK, P_out + chunk * 64 * 64, A_out + chunk * 64 * 64,
-                            qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out, chunk, K, BK, DOT, STAGES)
-    elif ROWS == 32:
-        _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_out + chunk * 64 * 64, A_out + chunk * 64 * 64,
-                            qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out, chunk, K, BK, DOT, STAGES)
-    else:
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-            chunk, K, BK, DOT, STAGES)
-        _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-        _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+        chunk, K, BK, DOT, STAGES)
+    _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
+    _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -538,26 +512,26 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, 16, BK)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
         left = tl.exp(L0)  # exp(G) on sub-block 0
-        _store_rows(qd_out, 0, 16, K, cols, col_ok, q0 * left)
-        _store_rows(bkd_out, 0, 16, K, cols, col_ok, bk0 * left)
+        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 16, key_bad, 16, BK)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
-        _store_rows(qd_out, 16, 16, K, cols, col_ok, q1 * left)
-        _store_rows(bkd_out, 16, 16, K, cols, col_ok, bk1 * left)
+        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 32, key_bad, 16, BK)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
         left = tl.exp(L2)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
@@ -565,14 +539,14 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
-        _store_rows(qd_out, 32, 16, K, cols, col_ok, q2 * left)
-        _store_rows(bkd_out, 32, 16, K, cols, col_ok, bk2 * left)
+        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 48, key_bad, 16, BK)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
@@ -581,231 +555,21 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
-        _store_rows(qd_out, 48, 16, K, cols, col_ok, q3 * left)
-        _store_rows(bkd_out, 48, 16, K, cols, col_ok, bk3 * left)
+        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
         r = tl.arange(0, 16)
         tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
                  mask=(r == 0)[:, None] & col_ok[None, :])
         # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-        _store_rows(kd_out, 0, 16, K, cols, col_ok, right0 * decay3)
-        _store_rows(kd_out, 16, 16, K, cols, col_ok, right1 * decay3)
-        _store_rows(kd_out, 32, 16, K, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 48, 16, K, cols, col_ok, k3 * tl.exp(R3))
+        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
-
-
-@triton.jit
-def _row(x, row: tl.constexpr):
-    """Row ``row`` of a [32, BK] tile, [BK] (a sum down the rows, across the two warps)."""
-    return tl.sum(tl.where(tl.arange(0, 32)[:, None] == row, x, 0.0), 0)
-
-
-@triton.jit
-def _halves_split(x, BK: tl.constexpr):
-    """The two halves of a [32, BK] tile, [16, BK] each."""
-    return tl.split(tl.permute(tl.reshape(x, (2, 16, BK)), (1, 2, 0)))
-
-
-@triton.jit
-def _store_tile_halves(matrix, I0: tl.constexpr, I1: tl.constexpr, J: tl.constexpr, tile, FIRST: tl.constexpr):
-    """A [32, 16] product's halves as the 16x16 tiles (I1, J) and, with ``FIRST``, (I0, J) of a
-    chunk matrix, in its dtype."""
-    r = tl.arange(0, 32)
-    rows = tl.where(r < 16, I0 * 16 + r, I1 * 16 + r - 16)
-    c = tl.arange(0, 16)
-    tl.store(matrix + rows[:, None] * 64 + J * 16 + c[None, :], tile.to(matrix.dtype.element_ty),
-             mask=((r >= 16) | FIRST)[:, None] & (c >= 0)[None, :])
-
-
-@triton.jit
-def _off_diagonal_pairs(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_out, kd_out, bkd_out, gamma_out,
-                        key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                        STAGES: tl.constexpr):
-    """``_off_diagonal_tiles`` on the sub-blocks in stacked pairs (0, 1) and (2, 3): [32, BK]
-    tiles whose halves lie on one warp each (at two warps), so that every scan stays inside a
-    warp and a product of a pair with a sub-block's right factors, [32, BK] x [BK, 16], gives each
-    warp its own 16 rows (a 16-row product at two warps is held and computed whole by both). The
-    tiles it stores, and the rest of P's, are stored here.
-
-    With ``t_M`` a sub-block's total decay (one [BK] vector each, from the pairs' first rows) and
-    the left factors ``x e^L`` of a pair: (0, 1) against sub-block 0's ``k e^R`` gives A10 and
-    P10 (its first half discarded); (2, 3) with sub-block 3's rows times ``t_2`` against sub-block
-    0's ``k e^R t_1`` gives the tiles (2, 0) and (3, 0), against sub-block 1's ``k e^R`` (2, 1)
-    and (3, 1); (2, 3) without ``t_2`` against sub-block 2's ``k e^R`` gives (3, 2) (its first
-    half discarded)."""
-    A01_0 = tl.zeros((32, 16), dtype=tl.float32)  # A10 in its second half
-    A23_0 = tl.zeros((32, 16), dtype=tl.float32)  # A20, A30
-    A23_1 = tl.zeros((32, 16), dtype=tl.float32)  # A21, A31
-    A23_2 = tl.zeros((32, 16), dtype=tl.float32)  # A32 in its second half
-    P01_0 = tl.zeros((32, 16), dtype=tl.float32)
-    P23_0 = tl.zeros((32, 16), dtype=tl.float32)
-    P23_1 = tl.zeros((32, 16), dtype=tl.float32)
-    P23_2 = tl.zeros((32, 16), dtype=tl.float32)
-    key_bad = tl.full((32, BK), 64, dtype=tl.int32)
-    qd_out += chunk * 64 * K
-    kd_out += chunk * 64 * K
-    bkd_out += chunk * 64 * K
-    second = (tl.arange(0, 32) >= 16)[:, None]  # the pair's second sub-block
-
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        # the first pair whole before the second is loaded (fewer tiles live at once)
-        q01, k01, bk01, L01, R01, s01, key_bad = _sub_block(
-            *_sub_block_load(q, k, b, g, key_base, t0, 0, 32, end, HK, cols, col_ok), 0, key_bad, 32, BK)
-        t_0 = tl.exp(_row(s01, 0))[None, :]  # sub-block 0's total decay
-        t_1 = tl.exp(_row(s01, 16))[None, :]
-        left01 = tl.exp(L01)
-        right01 = k01 * tl.exp(R01)  # k e^R of sub-blocks 0 and 1
-        right0, right1 = _halves_split(right01, BK)
-        A01_0 = tl.dot(bk01 * left01, tl.trans(right0), A01_0, input_precision=DOT)
-        P01_0 = tl.dot(q01 * left01, tl.trans(right0), P01_0, input_precision=DOT)
-        # exp(G) = e^L times the totals of the sub-blocks before
-        G01 = left01 * tl.where(second, t_0, 1.0)
-        _store_rows(qd_out, 0, 32, K, cols, col_ok, q01 * G01)
-        _store_rows(bkd_out, 0, 32, K, cols, col_ok, bk01 * G01)
-        right0_far = right0 * t_1
-
-        q23, k23, bk23, L23, R23, s23, key_bad = _sub_block(
-            *_sub_block_load(q, k, b, g, key_base, t0, 32, 32, end, HK, cols, col_ok), 32, key_bad, 32, BK)
-        t_2 = tl.exp(_row(s23, 0))[None, :]
-        t_3 = tl.exp(_row(s23, 16))[None, :]
-        left23 = tl.exp(L23)
-        right23 = k23 * tl.exp(R23)
-        right2, _ = _halves_split(right23, BK)
-        A23_2 = tl.dot(bk23 * left23, tl.trans(right2), A23_2, input_precision=DOT)
-        P23_2 = tl.dot(q23 * left23, tl.trans(right2), P23_2, input_precision=DOT)
-        left23_far = left23 * tl.where(second, t_2, 1.0)
-        A23_0 = tl.dot(bk23 * left23_far, tl.trans(right0_far), A23_0, input_precision=DOT)
-        P23_0 = tl.dot(q23 * left23_far, tl.trans(right0_far), P23_0, input_precision=DOT)
-        A23_1 = tl.dot(bk23 * left23_far, tl.trans(right1), A23_1, input_precision=DOT)
-        P23_1 = tl.dot(q23 * left23_far, tl.trans(right1), P23_1, input_precision=DOT)
-        G23 = left23_far * (t_0 * t_1)
-        _store_rows(qd_out, 32, 32, K, cols, col_ok, q23 * G23)
-        _store_rows(bkd_out, 32, 32, K, cols, col_ok, bk23 * G23)
-        # exp(G_last - G) = e^R times the totals of the sub-blocks after
-        _store_rows(kd_out, 0, 32, K, cols, col_ok, right01 * (t_2 * t_3) * tl.where(second, 1.0, t_1))
-        _store_rows(kd_out, 32, 32, K, cols, col_ok, right23 * tl.where(second, 1.0, t_3))
-        tl.store(gamma_out + chunk * K + cols[None, :], t_0 * t_1 * t_2 * t_3, mask=col_ok[None, :])
-
-    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
-    _store_upper_zeros(P_chunk)
-    _store_tile_halves(P_chunk, 0, 1, 0, P01_0, False)
-    _store_tile_halves(P_chunk, 2, 3, 0, P23_0, True)
-    _store_tile_halves(P_chunk, 2, 3, 1, P23_1, True)
-    _store_tile_halves(P_chunk, 2, 3, 2, P23_2, False)
-    _store_tile_halves(A_chunk, 0, 1, 0, A01_0, False)
-    _store_tile_halves(A_chunk, 2, 3, 0, A23_0, True)
-    _store_tile_halves(A_chunk, 2, 3, 1, A23_1, True)
-    _store_tile_halves(A_chunk, 2, 3, 2, A23_2, False)
-
-
-@triton.jit
-def _each_sub_block(x, BK: tl.constexpr):
-    """Four [64, BK] tiles, the M-th holding in every sub-block's rows x's rows of sub-block M: sums
-    across the warps (through shared memory), no shuffles down the rows."""
-    blocks = tl.reshape(x, (4, 16, BK))
-    m = tl.arange(0, 4)[:, None, None]
-    x0 = tl.sum(tl.where(m == 0, blocks, 0.0), 0)[None, :, :]
-    x1 = tl.sum(tl.where(m == 1, blocks, 0.0), 0)[None, :, :]
-    x2 = tl.sum(tl.where(m == 2, blocks, 0.0), 0)[None, :, :]
-    x3 = tl.sum(tl.where(m == 3, blocks, 0.0), 0)[None, :, :]
-    return (_every_sub_block(x0, BK), _every_sub_block(x1, BK), _every_sub_block(x2, BK), _every_sub_block(x3, BK))
-
-
-@triton.jit
-def _every_sub_block(x, BK: tl.constexpr):
-    """A [1, 16, BK] tile repeated in each sub-block's rows of a [64, BK] tile."""
-    return tl.reshape(tl.broadcast_to(x, (4, 16, BK)), (64, BK))
-
-
-@triton.jit
-def _quarters(x, BK: tl.constexpr):
-    """The four sub-blocks' rows of a [64, BK] tile, [16, BK] each."""
-    pairs = tl.reshape(tl.permute(tl.reshape(x, (4, 16, BK)), (1, 2, 0)), (16, BK, 2, 2))
-    first, second = tl.split(pairs)  # sub-blocks 0, 2 and 1, 3
-    x0, x2 = tl.split(first)
-    x1, x3 = tl.split(second)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _store_column_below(matrix, J: tl.constexpr, tile, ZEROS_ABOVE: tl.constexpr):
-    """A [64, 16] product's rows below sub-block J as the tiles (I, J), I > J, of a chunk matrix,
-    in its dtype; with ``ZEROS_ABOVE``, zeros in the tiles (I, J), I < J."""
-    r = tl.arange(0, 64)
-    c = tl.arange(0, 16)
-    below = r >= 16 * (J + 1)
-    values = tl.where(below[:, None], tile, 0.0).to(matrix.dtype.element_ty)
-    tl.store(matrix + r[:, None] * 64 + J * 16 + c[None, :], values,
-             mask=(below | (ZEROS_ABOVE & (r < 16 * J)))[:, None] & (c >= 0)[None, :])
-
-
-@triton.jit
-def _off_diagonal_chunk(q, k, b, g, key_base, t0, end, HK, P_chunk, A_chunk, qd_out, kd_out, bkd_out, gamma_out,
-                        key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                        STAGES: tl.constexpr):
-    """``_off_diagonal_tiles`` on the whole chunk as [64, BK] tiles, whose sub-blocks lie on one warp
-    each at four warps: every scan stays inside a warp, and a [64, BK] x [BK, 16] product against
-    sub-block J's right factors ``k e^R`` gives each warp its own rows, the tiles (I, J) for every
-    I > J at once (the rows I <= J discarded), with each sub-block's left factors ``x e^L`` times
-    the total decays ``t_M`` of the sub-blocks between (J < M < I). The tiles it stores, and the
-    rest of P's, are stored here."""
-    A0 = tl.zeros((64, 16), dtype=tl.float32)  # the tiles (I, 0), I > 0
-    A1 = tl.zeros((64, 16), dtype=tl.float32)
-    A2 = tl.zeros((64, 16), dtype=tl.float32)
-    P0 = tl.zeros((64, 16), dtype=tl.float32)
-    P1 = tl.zeros((64, 16), dtype=tl.float32)
-    P2 = tl.zeros((64, 16), dtype=tl.float32)
-    key_bad = tl.full((64, BK), 64, dtype=tl.int32)
-    qd_out += chunk * 64 * K
-    kd_out += chunk * 64 * K
-    bkd_out += chunk * 64 * K
-    sub = (tl.arange(0, 64) // 16)[:, None]  # each row's sub-block
-
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
-        col_ok = cols < K
-        q4, k4, bk4, L4, R4, s4, key_bad = _sub_block(
-            *_sub_block_load(q, k, b, g, key_base, t0, 0, 64, end, HK, cols, col_ok), 0, key_bad, 64, BK)
-        s_0, s_1, s_2, s_3 = _each_sub_block(s4, BK)
-        t_0 = tl.exp(s_0)  # sub-block 0's total decay, in every row
-        t_1 = tl.exp(s_1)
-        t_2 = tl.exp(s_2)
-        t_3 = tl.exp(s_3)
-        left = tl.exp(L4)
-        right = k4 * tl.exp(R4)  # k e^R
-        right0, right1, right2, _ = _quarters(right, BK)
-        between1 = tl.where(sub >= 3, t_2, 1.0)  # the decays strictly between sub-block 1 and each row's
-        between0 = between1 * tl.where(sub >= 2, t_1, 1.0)
-        A0 = tl.dot(bk4 * left * between0, tl.trans(right0), A0, input_precision=DOT)
-        P0 = tl.dot(q4 * left * between0, tl.trans(right0), P0, input_precision=DOT)
-        A1 = tl.dot(bk4 * left * between1, tl.trans(right1), A1, input_precision=DOT)
-        P1 = tl.dot(q4 * left * between1, tl.trans(right1), P1, input_precision=DOT)
-        A2 = tl.dot(bk4 * left, tl.trans(right2), A2, input_precision=DOT)
-        P2 = tl.dot(q4 * left, tl.trans(right2), P2, input_precision=DOT)
-        # exp(G) = e^L times the totals of the sub-blocks before; exp(G_last - G) = e^R times those after
-        G = left * tl.where(sub >= 1, t_0, 1.0) * tl.where(sub >= 2, t_1, 1.0) * tl.where(sub >= 3, t_2, 1.0)
-        _store_rows(qd_out, 0, 64, K, cols, col_ok, q4 * G)
-        _store_rows(bkd_out, 0, 64, K, cols, col_ok, bk4 * G)
-        after = tl.where(sub <= 0, t_1, 1.0) * tl.where(sub <= 1, t_2, 1.0) * tl.where(sub <= 2, t_3, 1.0)
-        _store_rows(kd_out, 0, 64, K, cols, col_ok, right * after)
-        r = tl.arange(0, 64)
-        tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], t_0 * t_1 * t_2 * t_3,
-                 mask=(r == 0)[:, None] & col_ok[None, :])
-
-    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
-    _store_column_below(P_chunk, 0, P0, True)
-    _store_column_below(P_chunk, 1, P1, True)
-    _store_column_below(P_chunk, 2, P2, True)
-    _store_column_below(P_chunk, 3, tl.zeros((64, 16), dtype=tl.float32), True)
-    _store_column_below(A_chunk, 0, A0, False)
-    _store_column_below(A_chunk, 1, A1, False)
-    _store_column_below(A_chunk, 2, A2, False)
 
 
 @triton.jit
@@ -856,13 +620,6 @@ def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A3
 def _store_P(matrix, P10, P20, P21, P30, P31, P32):
     """P's tiles off the diagonal of one chunk (the upper ones zero; ``_diagonal_kernel`` writes the
     diagonal ones)."""
-    _store_upper_zeros(matrix)
-    _store_below(matrix, P10, P20, P21, P30, P31, P32)
-
-
-@triton.jit
-def _store_upper_zeros(matrix):
-    """Zeros in the six 16x16 tiles above the diagonal of one chunk matrix."""
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 1, zero)
     _store_tile(matrix, 0, 2, zero)
@@ -870,6 +627,7 @@ def _store_upper_zeros(matrix):
     _store_tile(matrix, 1, 2, zero)
     _store_tile(matrix, 1, 3, zero)
     _store_tile(matrix, 2, 3, zero)
+    _store_below(matrix, P10, P20, P21, P30, P31, P32)
 
 
 @triton.jit
@@ -987,8 +745,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, ROWS=INTRA_FORWARD_ROWS, num_warps=INTRA_FORWARD_WARPS,
-        num_stages=1,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
@@ -1061,8 +818,8 @@ def _state_forward_kernel(
 
 
 def chunk_value_block(V: int) -> int:
-    """Columns of V per program in the launches of one program per chunk, head and block of value
-    columns (the output, d_U's in-chunk part), and the most the sequential passes take."""
+    """Columns of V per program in the output launch (one program per chunk, head and block of
+    value columns), and the most the sequential passes take."""
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
