@@ -338,17 +338,16 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                       fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
-    wy_key_block, wy_value_block = fk.wy_blocks(K, V)
-    wy_blocks = dict(K=K, V=V, BK=wy_key_block, BV=wy_value_block, DOT=dot, PACKED=packed, SPLIT=fk.WY_SPLIT)
+    wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
+                     PACKED=packed)
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=f32, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
              first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
-    wy_columns = -(-K // wy_key_block) + -(-V // wy_value_block)
-    LOOP_TRIPS["wy"] = [1, 1] if fk.WY_SPLIT else [key_blocks_of(wy_key_block), -(-V // wy_value_block)]
-    PROGRAMS["wy"] = chunks * heads * (wy_columns if fk.WY_SPLIT else 1)
+    LOOP_TRIPS["wy"] = [key_blocks_of(wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
+    PROGRAMS["wy"] = chunks * heads
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {},
@@ -384,8 +383,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32, d_leaving=f32,
              d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             PREFETCH=bw.STATE_BACKWARD_PREFETCH),
+        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

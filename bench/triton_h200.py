@@ -59,12 +59,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the WY launch with one program per block of columns of Wk or Uw (72 registers against 96)
-    dict(WY_SPLIT=True),
-    dict(WY_SPLIT=True, WY_BLOCK=64),
-    dict(WY_SPLIT=True, WY_WARPS=2),
-    # the reverse state pass prefetching each chunk's inputs into L2 one chunk ahead
-    dict(STATE_BACKWARD_PREFETCH=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -140,21 +140,6 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     _assert_float32_kernel_matches(with_expected(case), seed)
 
 
-@kernel_only
-def test_wy_split_matches_spec(seed, interpreter, monkeypatch):
-    """The WY launch with one program per block of columns (``WY_SPLIT``, a variant to time):
-    output, final state and every gradient against the spec in float32 at T = 70 (a full chunk
-    and a short one) with a hard reset, K = 40 and V = 48 (a partial last block of key and of
-    value columns), at slow decay (g in [-0.1, 0]: at fast decay X is near I and Wk near b k
-    exp(G), so that Wk's columns left as b k exp(G) went unseen)."""
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "WY_SPLIT", True)
-    case = make_case(1, 70, 2, 40, 48, seed, log_decay_range=(-0.1, 0.0), reference=False)
-    case["inputs"]["g"][0, 30, 1] = -np.inf
-    _assert_float32_kernel_matches(with_expected(case), seed)
-
-
 def _bfloat16_products(monkeypatch, on: bool) -> None:
     from gdn2.torch.triton import forward
 

@@ -38,7 +38,6 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -60,10 +59,6 @@ def _state_backward_kernel(
         d_state = tl.zeros((BK, BV), dtype=tl.float32)
     for step in range(chunk_end - chunk_first):
         i_n = chunk_end - 1 - step
-        if PREFETCH:
-            if i_n > chunk_first:  # the next chunk's inputs into L2 while this one runs (a full chunk)
-                _prefetch_chunk(qd, kd, Wk, P, d_o, chunk_table, head, i_n - 1, i_b, i_h, i_v * BV, T, H, K, V, N, BK,
-                                PACKED)
         tl.store(d_leaving + (head * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
         t = first + rows
@@ -87,36 +82,6 @@ def _state_backward_kernel(
         tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
 
 
-@triton.jit
-def _prefetch_l2(pointers):
-    """Ask for the memory at ``pointers`` to be brought into L2 (PTX ``prefetch``: a hint, no
-    result, no fault)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_chunk(qd, kd, Wk, P, d_o, chunk_table, head, i_n, i_b, i_h, v0, T, H, K: tl.constexpr, V: tl.constexpr,
-                    N, BK: tl.constexpr, PACKED: tl.constexpr):
-    """``_prefetch_l2`` of what the reverse state pass reads of chunk ``i_n`` (a full chunk): its
-    rows of qd, kd and Wk and its P, one address per 32 columns, and its rows of dO from value
-    column ``v0`` on."""
-    rows = tl.arange(0, 64)
-    STEP: tl.constexpr = 32 if BK >= 32 else BK
-    keys = (head * N * 64 + i_n * 64 + rows[:, None]) * K + tl.arange(0, BK // STEP)[None, :] * STEP
-    _prefetch_l2(qd + keys)
-    _prefetch_l2(kd + keys)
-    _prefetch_l2(Wk + keys)
-    _prefetch_l2(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + tl.arange(0, 2)[None, :] * 32)
-    first, _ = _chunk_span(chunk_table, i_n, T, PACKED)
-    _prefetch_l2(d_o + i_b * T * H * V + (first + rows) * (H * V) + i_h * V + v0)
-
-
-# Each chunk's inputs prefetched into L2 one chunk ahead in the reverse state pass (PTX
-# ``prefetch``; not under the interpreter, which cannot run it): a variant to time.
-STATE_BACKWARD_PREFETCH = False
-
-
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
                    chunk_table=None, sequence_chunks=None) -> None:
     """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``), one
@@ -132,8 +97,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, PREFETCH=STATE_BACKWARD_PREFETCH and d_o.device.type == "cuda",
-        num_warps=STATE_WARPS, num_stages=1, **register_cap("state_backward"),
+        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
 

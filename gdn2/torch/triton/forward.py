@@ -56,9 +56,6 @@ DIAGONAL_WARPS = 1  # one warp holds a 16x16 product without copies
 DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loop
 WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
-# One program per block of WY_BLOCK columns of Wk or Uw (X loaded by each) instead of one per
-# chunk, so that more loads are in flight (the launch waits on memory): a variant to time.
-WY_SPLIT = False
 INTRA_FORWARD_KEY_BLOCK = 16
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
@@ -646,13 +643,12 @@ def _store_below(matrix, T10, T20, T21, T30, T31, T32):
 
 @triton.jit
 def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
-                    BV: tl.constexpr, DOT: tl.constexpr, v_first, v_stop):
-    """One chunk's ``Uw = X (w v)`` in the value columns ``[v_first, v_stop)`` (``v``, ``w`` at the
-    sequence and head; ``Uw_out`` at the chunk's first row) and, per value column, its first bad
-    row (``first_bad_out`` at the chunk): a non-finite v or w in that column, or
-    ``first_key_bad``, whichever comes first."""
+                    BV: tl.constexpr, DOT: tl.constexpr):
+    """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
+    chunk's first row) and, per value column, its first bad row (``first_bad_out`` at the chunk):
+    a non-finite v or w in that column, or ``first_key_bad``, whichever comes first."""
     rows = tl.arange(0, 64)
-    for v0 in range(v_first, v_stop, BV):
+    for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         col_ok = cols < V
         offsets = t[:, None] * (H * V) + cols[None, :]
@@ -677,14 +673,13 @@ def _wy_kernel(
     Uw_out,  # [B, H, N * 64, V]
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, SPLIT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
-    ``SPLIT``: one block of columns per program (axis 2: Wk's blocks, then Uw's), else all of them.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
-    of its Wk is stored (distinct columns per step and per program)."""
+    of its Wk is stored (one program per chunk, distinct columns per step)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -698,19 +693,7 @@ def _wy_kernel(
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
-    if SPLIT:  # block j < key_blocks: Wk's columns [j BK, (j + 1) BK); else Uw's block j - key_blocks
-        key_blocks: tl.constexpr = (K + BK - 1) // BK
-        j = tl.program_id(2)
-        k_first = tl.minimum(j, key_blocks) * BK
-        k_stop = tl.minimum(j + 1, key_blocks) * BK
-        v_first = tl.maximum(j - key_blocks, 0) * BV
-        v_stop = tl.maximum(j + 1 - key_blocks, 0) * BV
-    else:
-        k_first = 0
-        k_stop = K
-        v_first = 0
-        v_stop = V
-    for k0 in range(k_first, k_stop, BK):
+    for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
@@ -719,7 +702,7 @@ def _wy_kernel(
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
     _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
-                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT, v_first, v_stop)
+                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
@@ -767,16 +750,11 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
-    BK, BV = wy_blocks(K, V)
-    _wy_kernel[(N, B * H, triton.cdiv(K, BK) + triton.cdiv(V, BV) if WY_SPLIT else 1)](
-        v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N, BK=BK, BV=BV,
-        DOT=dot_precision, PACKED=packed, SPLIT=WY_SPLIT, num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
+    _wy_kernel[(N, B * H)](
+        v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
+        BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
+        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
-
-
-def wy_blocks(K: int, V: int) -> tuple[int, int]:
-    """Key and value columns per step (``WY_SPLIT``: per program) of the WY launch."""
-    return min(WY_BLOCK, max(16, triton.next_power_of_2(K))), min(WY_BLOCK, max(16, triton.next_power_of_2(V)))
 
 
 @triton.jit
