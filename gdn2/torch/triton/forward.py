@@ -182,17 +182,15 @@ def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
 @triton.jit
 def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
-    q, k, b, g and g one row on (``_sub_block``'s input)."""
+    q, k, b and g (``_sub_block``'s input)."""
     r = tl.arange(0, 16)
     t = t0 + I * 16 + r
     ok = (t < T)[:, None] & col_ok[None, :]
     offsets = key_base + t[:, None] * HK + cols[None, :]
-    next_ok = ((r < 15) & (t + 1 < T))[:, None] & col_ok[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
-    g_raw = tl.load(g + offsets, mask=ok, other=0.0)
-    return q_raw, k_raw, b_raw, g_raw, tl.load(g + offsets + HK, mask=next_ok, other=0.0)
+    return q_raw, k_raw, b_raw, tl.load(g + offsets, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -205,7 +203,7 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad):
+def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
@@ -224,9 +222,26 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, g_next_raw, I: tl.constexpr, key_bad)
     key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
-    L = tl.cumsum(_decay(g_tile), 0)
-    R = tl.cumsum(_decay(g_next_raw.to(tl.float32)), 0, reverse=True)
+    decay = _decay(g_tile)
+    L = tl.cumsum(decay, 0)
+    R = _exclusive_suffix(decay)
     return q_tile, k_tile, bk, L, R, L + R, key_bad
+
+
+@triton.jit
+def _suffix_sums(later_inclusive, later_exclusive, inclusive, exclusive):
+    """``_exclusive_suffix``'s combination: a span followed by the later span already summed (the
+    reverse scan passes the later one first)."""
+    return inclusive + later_inclusive, exclusive + later_inclusive
+
+
+@triton.jit
+def _exclusive_suffix(x):
+    """The sums down the rows of x after each row, ``x[i + 1] + ... + x[last]`` (0 at the last
+    row), as a reverse scan of (inclusive, exclusive) pairs: sums only, no difference, and no
+    load of x one row on."""
+    _, exclusive = tl.associative_scan((x, tl.zeros_like(x)), 0, _suffix_sums, reverse=True)
+    return exclusive
 
 
 @triton.jit
