@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import CHUNK, STATE_WARPS, _chunk_span, _sequence_chunks, _table, register_cap, value_block
+from .forward import (CHUNK, STATE_WARPS, _chunk_span, _exclusive_suffix, _sequence_chunks, _table, register_cap,
+                      value_block)
 
 
 @triton.jit
@@ -230,21 +231,13 @@ def _intra_backward_values_kernel(
 
 
 @triton.jit
-def _rows(x, first, end, HK, cols_k, k_ok, NEXT: tl.constexpr):
+def _rows(x, first, end, HK, cols_k, k_ok):
     """Rows ``first .. first + 15`` of an input (``x`` at this batch element and head) as float32
-    [16, BKB]; with ``NEXT`` each row's next row inside the sub-block (zero after its last row and
-    past ``end``, the chunk's end). Offsets inside a sequence are 32-bit; the base pointer carries
-    the 64-bit part."""
-    r = tl.arange(0, 16)
-    t = first + r + NEXT
-    ok = (t < end) & (r + NEXT < 16)
-    return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _sub_block_decay(g, first, end, HK, cols_k, k_ok):
-    """``exp`` of the sum of a sub-block's log decays, [BKB]."""
-    return tl.exp(tl.sum(_rows(g, first, end, HK, cols_k, k_ok, 0), 0))
+    [16, BKB], zero past ``end`` (the chunk's end). Offsets inside a sequence are 32-bit; the base
+    pointer carries the 64-bit part."""
+    t = first + tl.arange(0, 16)
+    return tl.load(x + t[:, None] * HK + cols_k[None, :], mask=(t < end)[:, None] & k_ok[None, :],
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -354,15 +347,16 @@ def _intra_backward_keys_kernel(
     between = tl.full((BKB,), 1.0, tl.float32)
     for J_step in tl.range(0, I, num_stages=STAGES):
         J = I - 1 - J_step
-        k_J = _rows(k, chunk_first + J * 16, end, HK, cols_k, k_ok, 0)
-        right_J = tl.exp(tl.cumsum(_rows(g, chunk_first + J * 16, end, HK, cols_k, k_ok, 1), 0, reverse=True))
-        k_right = k_J * right_J * between[None, :]
+        k_J = _rows(k, chunk_first + J * 16, end, HK, cols_k, k_ok)
+        g_J = _rows(g, chunk_first + J * 16, end, HK, cols_k, k_ok)
+        k_right = k_J * tl.exp(_exclusive_suffix(g_J)) * between[None, :]
         tile = (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
         from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
         from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
-        between = between * _sub_block_decay(g, chunk_first + J * 16, end, HK, cols_k, k_ok)
+        between = between * tl.exp(tl.sum(g_J, 0))
     before = between  # the decay of every sub-block before I
-    left = tl.exp(tl.cumsum(_rows(g, first, end, HK, cols_k, k_ok, 0), 0))  # g_{16 I} + ... + g_i
+    g_I = _rows(g, first, end, HK, cols_k, k_ok)
+    left = tl.exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
     d_bk_A = left * from_earlier_A
     d_q_P = left * from_earlier_P
 
@@ -372,16 +366,16 @@ def _intra_backward_keys_kernel(
     between = tl.full((BKB,), 1.0, tl.float32)
     for I2 in tl.range(I + 1, 4, num_stages=STAGES):
         first2 = chunk_first + I2 * 16
-        g2 = _rows(g, first2, end, HK, cols_k, k_ok, 0)
+        g2 = _rows(g, first2, end, HK, cols_k, k_ok)
         left2 = tl.exp(tl.cumsum(g2, 0)) * between[None, :]
-        q2 = _rows(q, first2, end, HK, cols_k, k_ok, 0)
-        bk2 = _rows(b, first2, end, HK, cols_k, k_ok, 0) * _rows(k, first2, end, HK, cols_k, k_ok, 0)
+        q2 = _rows(q, first2, end, HK, cols_k, k_ok)
+        bk2 = _rows(b, first2, end, HK, cols_k, k_ok) * _rows(k, first2, end, HK, cols_k, k_ok)
         tile_T = (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
         to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
         to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
         between = between * tl.exp(tl.sum(g2, 0))
     after = between
-    right = tl.exp(tl.cumsum(_rows(g, first, end, HK, cols_k, k_ok, 1), 0, reverse=True))  # g_{j+1} ... end of I
+    right = tl.exp(_exclusive_suffix(g_I))  # g_{j+1} + ... + the end of I
     d_k_pair = right * to_later
 
     # Pairs inside I, without sums across rows: one row i at a time for the keys' side (``E[j] =
@@ -389,7 +383,7 @@ def _intra_backward_keys_kernel(
     # last first, for the rows' side (``F[i] = exp(g_{j+1} + ... + g_i)``, the next column's times
     # ``exp(g_{j+1})``). Both in one loop (step s: row s and column 15 - s), so that their loads
     # wait together, and each step's rows loaded one step ahead: a step's arithmetic is short.
-    k_I = _rows(k, first, end, HK, cols_k, k_ok, 0)
+    k_I = _rows(k, first, end, HK, cols_k, k_ok)
     E = tl.zeros((16, BKB), dtype=tl.float32)
     F = tl.zeros((16, BKB), dtype=tl.float32)
     g_i, q_i, b_i, k_i, d_A_row, d_P_row = _row_step_inputs(
@@ -406,8 +400,8 @@ def _intra_backward_keys_kernel(
         g_i, q_i, b_i, k_i, d_A_row, d_P_row = g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1
         g_next, k_j, d_A_column, d_P_column = g_next1, k_j1, d_A_column1, d_P_column1
 
-    q_I = _rows(q, first, end, HK, cols_k, k_ok, 0)
-    b_I = _rows(b, first, end, HK, cols_k, k_ok, 0)
+    q_I = _rows(q, first, end, HK, cols_k, k_ok)
+    b_I = _rows(b, first, end, HK, cols_k, k_ok)
     bk_I = b_I * k_I
     decay = left * before[None, :]  # exp(G_i)
     decay_to_end = right * after[None, :]  # exp(g_{i+1} + ... + g_last)
