@@ -59,10 +59,6 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the intra-forward launch's loads one and three key blocks ahead (two by default), timed
-    # again with its g loaded once a key block
-    dict(INTRA_FORWARD_STAGES=2),
-    dict(INTRA_FORWARD_STAGES=4),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
