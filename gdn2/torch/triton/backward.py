@@ -128,9 +128,12 @@ def _intra_backward_contract_kernel(
     """The state-sized contractions for one block of key columns: the gradients of the decayed
     queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
     ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma."""
-    i_n = tl.program_id(0)
+    # The key blocks of a chunk are adjacent programs, so that U, dU, dO and X come from L2 after
+    # the first (with the key block the slowest axis, each was read from memory once per block).
+    KEY_BLOCKS: tl.constexpr = (K + BKB - 1) // BKB
+    i_n = tl.program_id(0) // KEY_BLOCKS
+    k0 = tl.program_id(0) % KEY_BLOCKS * BKB
     i_bh = tl.program_id(1).to(tl.int64)
-    k0 = tl.program_id(2) * BKB
     i_b = i_bh // H
     i_h = i_bh % H
     rows = tl.arange(0, C)
@@ -316,9 +319,12 @@ def _intra_backward_keys_kernel(
     g_i)``, the previous row's times ``exp(g_i)``). Every exponent is a span sum, never positive.
     dg needs sums over the whole chunk: this launch leaves the sub-block's part in d_qd's rows and
     its two sums in ``sub_block_sums``; ``_gate_gradient_kernel`` adds the rest."""
-    i_s = tl.program_id(0)
+    # The key blocks of a sub-block are adjacent programs (they read the same tiles of dA and dP),
+    # and the sub-blocks of a chunk near each other (each reads the others' rows).
+    KEY_BLOCKS: tl.constexpr = (K + BKB - 1) // BKB
+    i_s = tl.program_id(0) // KEY_BLOCKS
+    k0 = tl.program_id(0) % KEY_BLOCKS * BKB
     i_bh = tl.program_id(1).to(tl.int64)
-    k0 = tl.program_id(2) * BKB
     i_n = i_s // 4
     I = i_s % 4
     i_b = i_bh // H
@@ -485,7 +491,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     BKB, BV = _blocks(K, V)
     d_qd, d_kd, d_bkd = (states.new_empty(B, H, N * CHUNK, K, dtype=torch.float32) for _ in range(3))
     d_gamma = states.new_empty(B, H, N, K, dtype=torch.float32)
-    _intra_backward_contract_kernel[(N, B * H, triton.cdiv(K, BKB))](
+    _intra_backward_contract_kernel[(N * triton.cdiv(K, BKB), B * H)](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
         STAGES=CONTRACT_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_contract"),
@@ -517,7 +523,7 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     BKB = min(INTRA_BACKWARD_KEYS_BLOCK, max(16, triton.next_power_of_2(K)))
     dq, dk, dg, db = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, g, b))  # contiguous
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
-    _intra_backward_keys_kernel[(N * 4, B * H, triton.cdiv(K, BKB))](
+    _intra_backward_keys_kernel[(N * 4 * triton.cdiv(K, BKB), B * H)](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
         BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, STAGES=KEYS_STAGES,
         num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1, **register_cap("intra_backward_keys"),
