@@ -73,10 +73,12 @@ STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
-# these and the backward's launches. The keys launch at 80 (184 B of spills, six programs a
-# multiprocessor against four at its 128): forward+backward 10.322 -> 9.894 ms (96: 9.957; 72:
-# 10.017; 64: 11.176); no cap helped the WY, output, diagonal, inverse, contraction or value launch.
-MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 80}
+# these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
+# spills, 2.47 G warp-instructions a launch against 3.35 G at four warps and 80): forward+backward
+# 9.636 -> 8.762 ms (168: 8.877; 112: 9.341); at four warps 80 had beaten its own 128 (10.322 ->
+# 9.894). No cap helped the WY, output, diagonal, inverse, contraction, value or intra-forward
+# launch.
+MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 128}
 
 
 def register_cap(launch: str) -> dict:
