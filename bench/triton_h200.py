@@ -59,14 +59,10 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # the keys launch with more of each tile on a thread (fewer instructions, fewer programs a
-    # multiprocessor): two warps at 128 registers (2.47 G warp-instructions against 3.35 G, 25%
-    # occupancy against 37.5%), at 168 (no spills, 18.8%), at 112 (28.1%); 64 key columns at
-    # four warps and 128 registers (2.61 G, 25%)
-    dict(INTRA_BACKWARD_KEYS_WARPS=2, MAX_REGISTERS={"intra_backward_keys": 128}),
-    dict(INTRA_BACKWARD_KEYS_WARPS=2, MAX_REGISTERS={"intra_backward_keys": 168}),
-    dict(INTRA_BACKWARD_KEYS_WARPS=2, MAX_REGISTERS={"intra_backward_keys": 112}),
-    dict(INTRA_BACKWARD_KEYS_BLOCK=64, MAX_REGISTERS={"intra_backward_keys": 128}),
+    # the keys launch at two warps and 144 registers (44 B of spills against 220, 21.9% occupancy
+    # against 25%; 2.44 G warp-instructions), and at one warp and 255 (136 B, 12.5%; 2.14 G)
+    dict(MAX_REGISTERS={"intra_backward_keys": 144}),
+    dict(INTRA_BACKWARD_KEYS_WARPS=1, MAX_REGISTERS={"intra_backward_keys": 255}),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -17,6 +17,7 @@ from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
 from gdn2.testing import make_case, rounded_case, run_torch, with_expected, worst_error  # noqa: E402
 from gdn2.torch.ops import which_path  # noqa: E402
+from gdn2.torch.triton.forward import _exclusive_suffix  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
 kernel_only = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -444,6 +445,33 @@ def _diagonal_tiles_reference(q, k, g, b, chunks):
                 if t_j < t_i:
                     A[row, :, n, i, t_j - first] = (b[row, t_i] * k[row, t_i] * kd).sum(-1)
     return P, A
+
+
+@triton.jit
+def _suffix_kernel(x, out):
+    offsets = tl.arange(0, 16)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(out + offsets, _exclusive_suffix(tl.load(x + offsets)))
+
+
+def test_exclusive_suffix_sums_only(interpreter):
+    """``_exclusive_suffix`` (the launches' sums of g after each row of a sub-block): against float64
+    sums after each row, with a hard reset (-inf reaches only the rows before it) and a step of
+    -1e6 whose own row and the rows after it keep every digit (a difference of sums would not)."""
+    rng = np.random.default_rng(7)
+    x = -rng.uniform(0.0, 3.0, (16, 8))
+    x[9, 2] = -np.inf
+    x[5, 4] = -1e6
+    x = x.astype(np.float32)
+    out = torch.empty(16, 8)
+    _suffix_kernel[(1,)](torch.from_numpy(x), out)
+    expected = np.zeros((16, 8))
+    for i in range(16):
+        expected[i] = x[i + 1:].astype(np.float64).sum(axis=0)
+    got = out.numpy()
+    assert np.all(got[:9, 2] == -np.inf) and np.all(np.isfinite(got[9:, 2]))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6, atol=1e-5)
+    assert got[5, 4] == np.float32(expected[5, 4])  # after the -1e6 step: small sums, exact to float32 rounding
 
 
 @pytest.mark.parametrize("key_block", [16, 32])
