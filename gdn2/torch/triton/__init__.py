@@ -31,7 +31,7 @@ from triton.errors import TritonError
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from ...packing import SequenceOffsets
 from .forward import CHUNK, intra_forward, output, state_forward
-from .interpreter import correct_bfloat16, scan_by_slices
+from .interpreter import correct_interpreter
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
 # or registers (OutOfResources), ptxas (PTXASError) and the interpreter (InterpreterError); a CUDA
@@ -47,8 +47,7 @@ def _interpreting() -> bool:
 
 
 if _interpreting():  # the layer's kernels (conv, norm, gates) run as the GPU would, too
-    correct_bfloat16()
-    scan_by_slices()
+    correct_interpreter()
 
 
 def _dot_precision(device: torch.device) -> str:
@@ -141,8 +140,7 @@ def _forward(
     N, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     precision = _dot_precision(q.device)
     if q.device.type == "cpu":
-        correct_bfloat16()
-        scan_by_slices()
+        correct_interpreter()
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
         torch.empty(shape, dtype=dtype, device=q.device)
         for shape, dtype in zip(_saved_shapes(B, N, H, K, V), _saved_dtypes(q.dtype))
@@ -183,8 +181,7 @@ def _backward(
     V = v.shape[-1]
     precision = _dot_precision(q.device)
     if q.device.type == "cpu":
-        correct_bfloat16()
-        scan_by_slices()
+        correct_interpreter()
     d_o = d_o.contiguous()
     d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
     d_leaving = torch.empty(states.shape, dtype=torch.float32, device=q.device)

@@ -81,6 +81,13 @@ def correct_bfloat16() -> None:
     InterpreterBuilder.create_fp_to_fp = fp_to_fp
 
 
+def correct_interpreter() -> None:
+    """Every correction of this module (idempotent): bfloat16 products and rounding as on the GPU,
+    and scans by slices."""
+    correct_bfloat16()
+    scan_by_slices()
+
+
 def scan_by_slices() -> None:
     """Make the interpreter's scans with a combination of their own combine slices across the scan
     axis instead of single elements (idempotent): the running value after position i is
