@@ -118,6 +118,14 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 
 
 @triton.jit
+def _with_key_block(K: tl.constexpr, BKB: tl.constexpr):
+    """A program's place on grid axis 0, laid out with the key block fastest: ``(index, first key
+    column)``, the index counting what the key blocks split (chunks, or sub-blocks)."""
+    key_blocks: tl.constexpr = (K + BKB - 1) // BKB
+    return tl.program_id(0) // key_blocks, tl.program_id(0) % key_blocks * BKB
+
+
+@triton.jit
 def _intra_backward_contract_kernel(
     states, U, d_o, d_leaving, d_U, inverse,  # saved / from state_backward
     d_qd, d_kd, d_bkd, d_gamma,  # outputs: [B, H, N * C, K] x3, [B, H, N, K] float32
@@ -130,9 +138,7 @@ def _intra_backward_contract_kernel(
     ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma."""
     # The key blocks of a chunk are adjacent programs, so that U, dU, dO and X come from L2 after
     # the first (with the key block the slowest axis, each was read from memory once per block).
-    KEY_BLOCKS: tl.constexpr = (K + BKB - 1) // BKB
-    i_n = tl.program_id(0) // KEY_BLOCKS
-    k0 = tl.program_id(0) % KEY_BLOCKS * BKB
+    i_n, k0 = _with_key_block(K, BKB)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -321,9 +327,7 @@ def _intra_backward_keys_kernel(
     its two sums in ``sub_block_sums``; ``_gate_gradient_kernel`` adds the rest."""
     # The key blocks of a sub-block are adjacent programs (they read the same tiles of dA and dP),
     # and the sub-blocks of a chunk near each other (each reads the others' rows).
-    KEY_BLOCKS: tl.constexpr = (K + BKB - 1) // BKB
-    i_s = tl.program_id(0) // KEY_BLOCKS
-    k0 = tl.program_id(0) % KEY_BLOCKS * BKB
+    i_s, k0 = _with_key_block(K, BKB)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
     I = i_s % 4
