@@ -550,6 +550,27 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
     assert (X[..., diagonal] == 1).all()  # the inverse of a unit lower triangular matrix
 
 
+@kernel_only
+def test_unwritten_entries_are_never_read(seed, interpreter, monkeypatch):
+    """Every buffer the kernel path allocates filled with NaN (the value launch writes the tiles
+    of dA and dP on and below the diagonal only, and a product that read another would spread its
+    NaN): output, final state and every gradient equal, bit for bit, the run on buffers as
+    allocated, and are finite. Two chunks, a partial last one."""
+    case = make_case(1, 100, 2, 32, 24, seed, log_decay_range=(-3.0, 0.0))
+    plain = run_torch(case, "float32", path="kernel")
+    empty, new_empty = torch.empty, torch.Tensor.new_empty
+
+    def filled(tensor):
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: filled(empty(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: filled(new_empty(self, *a, **kw)))
+    poisoned = run_torch(case, "float32", path="kernel")
+    for name, value in plain.items():
+        assert np.isfinite(value).all(), name
+        assert np.array_equal(value, poisoned[name]), name
+
+
 def _intra_forward_filled(packed, dtype, seed):
     """The buffers ``intra_forward`` fills (each first filled with NaN: every entry must be
     written) and ``first_bad``, on the inputs of ``test_intra_forward_writes_every_entry``."""

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, STATE_WARPS, _chunk_span, _exclusive_suffix, _sequence_chunks, _table, register_cap,
-                      value_block)
+from .forward import (CHUNK, STATE_WARPS, _chunk_span, _exclusive_suffix, _load_chunk_matrix, _sequence_chunks,
+                      _table, register_cap, value_block)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _state_backward_kernel(
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        P_tile = tl.load(P + (head * N + i_n) * 64 * 64 + rows[:, None] * 64 + rows[None, :]).to(tl.float32)
+        P_tile = _load_chunk_matrix(P + (head * N + i_n) * 64 * 64)
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
         qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
@@ -170,8 +170,7 @@ def _intra_backward_contract_kernel(
         d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
         d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
         d_decay += tl.sum(dS * S, 1)
-    chunk_matrix = (i_bh * N + i_n) * C * C + rows[:, None] * C + rows[None, :]
-    d_bk_decayed = tl.dot(tl.trans(tl.load(inverse + chunk_matrix).to(tl.float32)), d_Wk, input_precision=DOT)
+    d_bk_decayed = tl.dot(tl.trans(_load_chunk_matrix(inverse + (i_bh * N + i_n) * C * C)), d_Wk, input_precision=DOT)
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
     out_ok = (rows >= 0)[:, None] & k_ok[None, :]
     tl.store(d_qd + padded_k, d_q_decayed, mask=out_ok)
@@ -201,7 +200,7 @@ def _intra_backward_values_kernel(
     row_ok = t < end
     chunk_base = (i_bh * N + i_n) * C * C
     chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
-    inverse_tile = tl.load(inverse + chunk_matrix).to(tl.float32)
+    inverse_tile = _load_chunk_matrix(inverse + chunk_base)
     value_in = i_b * T * H * V + i_h * V
 
     # 1. Value side: dP = scale dO U^T, dA = -(d_wv Uw^T), dv, dw.
@@ -235,8 +234,10 @@ def _intra_backward_values_kernel(
         d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
     d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)  # with its diagonal (read apart)
-    tl.store(d_A_scratch + chunk_matrix, d_A)
-    tl.store(d_P_scratch + chunk_matrix, d_P)
+    # the keys launch reads the diagonal tiles and those below only
+    block_lower = rows[:, None] // 16 >= cols_c[None, :] // 16
+    tl.store(d_A_scratch + chunk_matrix, d_A, mask=block_lower)
+    tl.store(d_P_scratch + chunk_matrix, d_P, mask=block_lower)
 
 
 @triton.jit
