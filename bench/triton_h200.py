@@ -63,6 +63,15 @@ VARIANTS: list[dict] = [
     # fla's 4.40e-3), the contraction and value launches capped at 128 registers (130 without)
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U"),
          MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
+    # and b k exp(G) in Wk's bfloat16 buffer
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U"), DECAYED_ERASE_KEYS_IN_WK=True,
+         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
+    # and X in bfloat16: the WY products on bfloat16 operands
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse"), DECAYED_ERASE_KEYS_IN_WK=True,
+         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
+    # and P in bfloat16
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse", "P"), DECAYED_ERASE_KEYS_IN_WK=True,
+         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

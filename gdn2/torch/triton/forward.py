@@ -71,6 +71,12 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
+# b k exp(G) written into Wk's own buffer when Wk is bfloat16 (one more rounding, half the bytes
+# of the float32 scratch; measured on 97c7277's forerunner: 2.298 against 2.312 ms forward).
+DECAYED_ERASE_KEYS_IN_WK = False
+# The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
+# DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
+WY_BFLOAT16_PRODUCTS = True
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
 # these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
@@ -435,14 +441,27 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
 
 
 @triton.jit
-def _load_chunk_matrix(matrix):
-    """One chunk's [64, 64] matrix (P, X, ``matrix`` at its first entry) as float32, its tiles
-    above the diagonal zero without reading them (a masked load reads no memory). The forward
-    stores those tiles as zeros all the same, so that the operator's outputs are defined
+def _block_lower():
+    """[64, 64]: the entries of a chunk matrix in its diagonal 16x16 tiles and those below (the
+    only ones its readers need)."""
+    rows = tl.arange(0, 64)
+    return rows[:, None] // 16 >= rows[None, :] // 16
+
+
+@triton.jit
+def _load_chunk_matrix_stored(matrix):
+    """One chunk's [64, 64] matrix (P, X, ``matrix`` at its first entry) in its stored dtype, its
+    tiles above the diagonal zero without reading them (a masked load reads no memory). The
+    forward stores those tiles as zeros all the same, so that the operator's outputs are defined
     everywhere (torch.library.opcheck compares them whole)."""
     rows = tl.arange(0, 64)
-    block_lower = rows[:, None] // 16 >= rows[None, :] // 16
-    return tl.load(matrix + rows[:, None] * 64 + rows[None, :], mask=block_lower, other=0.0).to(tl.float32)
+    return tl.load(matrix + rows[:, None] * 64 + rows[None, :], mask=_block_lower(), other=0.0)
+
+
+@triton.jit
+def _load_chunk_matrix(matrix):
+    """``_load_chunk_matrix_stored`` as float32."""
+    return _load_chunk_matrix_stored(matrix).to(tl.float32)
 
 
 @triton.jit
@@ -673,7 +692,7 @@ def _store_below(matrix, T10, T20, T21, T30, T31, T32):
 
 @triton.jit
 def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
-                    BV: tl.constexpr, DOT: tl.constexpr):
+                    BV: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr):
     """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
     chunk's first row) and, per value column, its first bad row (``first_bad_out`` at the chunk):
     a non-finite v or w in that column, or ``first_key_bad``, whichever comes first."""
@@ -688,7 +707,10 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
         bad = (w_raw != _finite(w_raw)) | (v_raw != _finite(v_raw))
         first_bad = tl.minimum(tl.min(tl.where(bad, rows[:, None], 64), 0), first_key_bad)
         tl.store(first_bad_out + cols, first_bad, mask=col_ok)
-        Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
+        if BFLOAT16_PRODUCTS:  # X bfloat16 as stored, w v split (_split_dot)
+            Uw = _split_dot(X_tile, _finite(w_raw) * _finite(v_raw), tl.zeros((64, BV), dtype=tl.float32))
+        else:
+            Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
         out = rows[:, None] * V + cols[None, :]
         tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
 
@@ -703,13 +725,14 @@ def _wy_kernel(
     Uw_out,  # [B, H, N * 64, V]
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
-    of its Wk is stored (one program per chunk, distinct columns per step)."""
+    of its Wk is stored (one program per chunk, distinct columns per step). With
+    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -718,7 +741,10 @@ def _wy_kernel(
     first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     t = first + rows
     row_ok = t < end
-    X_tile = _load_chunk_matrix(X + (i_bh * N + i_n) * 64 * 64)
+    if BFLOAT16_PRODUCTS:
+        X_tile = _load_chunk_matrix_stored(X + (i_bh * N + i_n) * 64 * 64)
+    else:
+        X_tile = _load_chunk_matrix(X + (i_bh * N + i_n) * 64 * 64)
     chunk_rows = (i_bh * N + i_n) * 64
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
@@ -727,12 +753,15 @@ def _wy_kernel(
         cols = k0 + tl.arange(0, BK)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
-        bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0).to(tl.float32)
-        Wk = tl.dot(X_tile, bkd_tile, input_precision=DOT)
+        bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0)
+        if BFLOAT16_PRODUCTS:
+            Wk = tl.dot(X_tile, bkd_tile)
+        else:
+            Wk = tl.dot(X_tile, bkd_tile.to(tl.float32), input_precision=DOT)
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
     _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
-                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT)
+                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT, BFLOAT16_PRODUCTS)
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
@@ -767,10 +796,10 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # X alone does not).
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
     diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
-    # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place),
-    # else into a float32 scratch buffer dropped after the WY launch (in Wk's own bfloat16 buffer:
-    # 2.298 against 2.312 ms forward, no gain for one more rounding).
-    bkd = Wk if Wk.dtype == torch.float32 else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
+    # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
+    # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
+    in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK
+    bkd = Wk if in_place else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
@@ -783,7 +812,9 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
-        DOT=dot_precision, PACKED=packed, num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
+        DOT=dot_precision, PACKED=packed,
+        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
+        num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
 
