@@ -30,7 +30,7 @@ from triton.errors import TritonError
 
 from .backward import intra_backward_contract, intra_backward_keys, intra_backward_values, state_backward
 from ...packing import SequenceOffsets
-from .forward import CHUNK, intra_forward, output, state_forward
+from .forward import CHUNK, TILES, intra_forward, output, state_forward
 from .interpreter import correct_interpreter
 
 # What a kernel failure raises: TritonError covers compilation (CompilationError), shared memory
@@ -113,7 +113,7 @@ def _saved_shapes(B: int, N: int, H: int, K: int, V: int) -> list[tuple[int, ...
     """Shapes of the forward's saved buffers for N chunks per batch row, in the order of ``SAVED``
     (padded chunks)."""
     rows = N * CHUNK
-    return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, CHUNK, CHUNK)] * 2 + [
+    return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, TILES, 16, 16)] * 2 + [
         (B, H, N, K, V), (B, H, rows, V)]
 
 

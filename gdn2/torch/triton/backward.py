@@ -28,13 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, STATE_WARPS, _block_lower, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
+from .forward import (CHUNK, STATE_WARPS, _block_lower, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
                       _sequence_chunks, _table, register_cap, value_block)
 
 
 @triton.jit
 def _state_backward_kernel(
-    qd, kd, Wk, gamma, P, d_o,  # [B, H, N * 64, K] x3, [B, H, N, K], [B, H, N, 64, 64], [B, T, H, V]
+    qd, kd, Wk, gamma, P, d_o,  # [B, H, N * 64, K] x3, [B, H, N, K], [B, H, N, 10, 16, 16], [B, T, H, V]
     d_final, d_leaving, d_U, d_initial,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -68,7 +68,7 @@ def _state_backward_kernel(
         row0 = head * N * 64 + i_n * 64
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        P_tile = _load_chunk_matrix(P + (head * N + i_n) * 64 * 64)
+        P_tile = _load_chunk_matrix(_chunk_matrix(P, head * N + i_n))
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
         qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
@@ -170,7 +170,7 @@ def _intra_backward_contract_kernel(
         d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
         d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
         d_decay += tl.sum(dS * S, 1)
-    d_bk_decayed = tl.dot(tl.trans(_load_chunk_matrix(inverse + (i_bh * N + i_n) * C * C)), d_Wk, input_precision=DOT)
+    d_bk_decayed = tl.dot(tl.trans(_load_chunk_matrix(_chunk_matrix(inverse, i_bh * N + i_n))), d_Wk, input_precision=DOT)
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
     out_ok = (rows >= 0)[:, None] & k_ok[None, :]
     tl.store(d_qd + padded_k, d_q_decayed, mask=out_ok)
@@ -200,7 +200,7 @@ def _intra_backward_values_kernel(
     row_ok = t < end
     chunk_base = (i_bh * N + i_n) * C * C
     chunk_matrix = chunk_base + rows[:, None] * C + cols_c[None, :]
-    inverse_tile = _load_chunk_matrix(inverse + chunk_base)
+    inverse_tile = _load_chunk_matrix(_chunk_matrix(inverse, i_bh * N + i_n))
     value_in = i_b * T * H * V + i_h * V
 
     # 1. Value side: dP = scale dO U^T, dA = -(d_wv Uw^T), dv, dw.
@@ -510,7 +510,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     N, K = inverse.shape[2], Wk.shape[-1]
     BKB, BV = _blocks(K, V)
     dv, dw = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (v, w))  # contiguous
-    d_A, d_P = (inverse.new_empty(inverse.shape, dtype=torch.float32) for _ in range(2))
+    d_A, d_P = (inverse.new_empty(inverse.shape[:3] + (CHUNK, CHUNK), dtype=torch.float32) for _ in range(2))
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,

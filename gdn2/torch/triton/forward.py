@@ -38,8 +38,9 @@ decay of a whole sub-block:
 Masks are selects (``tl.where``), never multiplications, so ``-inf`` never meets a zero.
 
 Internal buffers are head-major and padded to whole chunks: ``[B, H, N * 64, D]`` (rows past T
-are zero), chunk matrices ``[B, H, N, 64, 64]``, states ``[B, H, N, K, V]``, ``gamma``
-``[B, H, N, K]``.
+are zero), states ``[B, H, N, K, V]``, ``gamma`` ``[B, H, N, K]``. The chunk matrices P, A and X
+(lower block-triangular) keep only their ten 16x16 tiles on and below the diagonal, row by row:
+``[B, H, N, 10, 16, 16]`` (``_tile_index``; ``full_chunk_matrices`` gives them whole).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 64
+TILES = 10  # the 16x16 tiles of a chunk matrix on and below its diagonal, the ones stored
 
 # Launch settings (bench/RESULTS.md has the measurements they come from).
 INTRA_FORWARD_WARPS = 2
@@ -183,10 +185,24 @@ def _substitute_row(X, A, at_i):
 
 
 @triton.jit
-def _store_tile(base, I: tl.constexpr, J: tl.constexpr, tile):
-    """Store a 16x16 tile at rows 16 I, columns 16 J of a [64, 64] chunk matrix, in its dtype."""
+def _tile_index(I, J):
+    """Where tile (I, J), J <= I, of a chunk matrix is stored among its ten: row by row."""
+    return I * (I + 1) // 2 + J
+
+
+@triton.jit
+def _chunk_matrix(base, chunk):
+    """The first entry of chunk ``chunk``'s matrix in a buffer of chunk matrices (``[..., 10, 16,
+    16]``)."""
+    return base + chunk * (10 * 256)
+
+
+@triton.jit
+def _store_tile(matrix, I: tl.constexpr, J: tl.constexpr, tile):
+    """Store tile (I, J) of a chunk matrix (rows 16 I, columns 16 J; ``matrix`` at its first
+    entry), in its dtype."""
     r = tl.arange(0, 16)
-    tl.store(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :], tile.to(base.dtype.element_ty))
+    tl.store(matrix + _tile_index(I, J) * 256 + r[:, None] * 16 + r[None, :], tile.to(matrix.dtype.element_ty))
 
 
 @triton.jit
@@ -266,7 +282,7 @@ def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
 @triton.jit
 def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    P_out, A_out,  # [B, H, N, 64, 64] (A float32; P float32 or bfloat16): this launch writes their diagonal 16x16 tiles
+    P_out, A_out,  # [B, H, N, 10, 16, 16] (A float32; P float32 or bfloat16): this launch writes their diagonal tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -282,7 +298,7 @@ def _diagonal_kernel(
     chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     first = chunk_first + I * 16  # the sub-block's first token
     sequence = i_b * T * H * K + i_h * K
-    tile = (i_bh * N + i_n) * 64 * 64 + (I * 16) * 65  # the diagonal tile's first entry
+    tile = (i_bh * N + i_n) * (10 * 256) + _tile_index(I, I) * 256  # the diagonal tile's first entry
     _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
                         first, end, H * K, K, BK, DOT, STAGES)
 
@@ -312,7 +328,7 @@ def _store_group_entry(tile, p: tl.constexpr, j: tl.constexpr, values):
     """``values[G]`` at row ``4 G + p``, column ``4 G + j`` of a diagonal tile, G = 0..3 (in the
     tile's dtype)."""
     G = tl.arange(0, 4)
-    tl.store(tile + (4 * G + p) * 64 + 4 * G + j, values.to(tile.dtype.element_ty))
+    tl.store(tile + (4 * G + p) * 16 + 4 * G + j, values.to(tile.dtype.element_ty))
 
 
 @triton.jit
@@ -411,7 +427,7 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
     # entries inside the groups are stored from the step sums.
     stacked = tl.arange(0, 16)
     tile_row = 4 * (stacked % 4) + stacked // 4
-    entries = tile_row[:, None] * 64 + tile_row[None, :]
+    entries = tile_row[:, None] * 16 + tile_row[None, :]
     row_group = (stacked % 4)[:, None]
     column_group = (stacked % 4)[None, :]
     earlier = column_group < row_group
@@ -450,12 +466,13 @@ def _block_lower():
 
 @triton.jit
 def _load_chunk_matrix_stored(matrix):
-    """One chunk's [64, 64] matrix (P, X, ``matrix`` at its first entry) in its stored dtype, its
-    tiles above the diagonal zero without reading them (a masked load reads no memory). The
-    forward stores those tiles as zeros all the same, so that the operator's outputs are defined
-    everywhere (torch.library.opcheck compares them whole)."""
+    """One chunk's matrix (P, X, ``matrix`` at its first entry) whole as [64, 64], in its stored
+    dtype, the tiles above the diagonal zero (not stored)."""
     rows = tl.arange(0, 64)
-    return tl.load(matrix + rows[:, None] * 64 + rows[None, :], mask=_block_lower(), other=0.0)
+    I = rows[:, None] // 16
+    J = rows[None, :] // 16
+    offsets = _tile_index(I, J) * 256 + (rows[:, None] % 16) * 16 + rows[None, :] % 16
+    return tl.load(matrix + offsets, mask=I >= J, other=0.0)
 
 
 @triton.jit
@@ -465,16 +482,17 @@ def _load_chunk_matrix(matrix):
 
 
 @triton.jit
-def _load_tile(base, I: tl.constexpr, J: tl.constexpr):
+def _load_tile(matrix, I: tl.constexpr, J: tl.constexpr):
+    """Tile (I, J) of a chunk matrix (``matrix`` at its first entry) as float32."""
     r = tl.arange(0, 16)
-    return tl.load(base + (I * 16 + r[:, None]) * 64 + J * 16 + r[None, :]).to(tl.float32)
+    return tl.load(matrix + _tile_index(I, J) * 256 + r[:, None] * 16 + r[None, :]).to(tl.float32)
 
 
 @triton.jit
 def _intra_forward_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
-    P_out,  # [B, H, N, 64, 64], float32 or bfloat16 (the saved dtype)
-    A_out,  # [B, H, N, 64, 64] float32, beside A's diagonal tiles from _diagonal_kernel
+    P_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16 (the saved dtype)
+    A_out,  # [B, H, N, 10, 16, 16] float32, beside A's diagonal tiles from _diagonal_kernel
     qd_out, kd_out, bkd_out,  # [B, H, N * 64, K]
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
@@ -502,14 +520,14 @@ def _intra_forward_kernel(
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT, STAGES)
-    _store_P(P_out + chunk * 64 * 64, P10, P20, P21, P30, P31, P32)
-    _store_below(A_out + chunk * 64 * 64, A10, A20, A21, A30, A31, A32)
+    _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
+    _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
 def _inverse_kernel(
-    A,  # [B, H, N, 64, 64] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
-    X_out,  # [B, H, N, 64, 64], float32 or bfloat16
+    A,  # [B, H, N, 10, 16, 16] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
+    X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
     PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
@@ -520,9 +538,9 @@ def _inverse_kernel(
     sm_90a at one warp: 168 registers and no spills with TF32 products (the default), 255 and 136 B
     of spills with exact float32 ones ("ieee"); TF32 took the forward from 2.312 to 2.283 ms and
     from 2.208 to 2.181 ms, the errors against the spec unchanged at the check shapes."""
-    chunk = tl.program_id(0).to(tl.int64) * 64 * 64
-    A += chunk
-    X_out += chunk
+    chunk = tl.program_id(0).to(tl.int64)
+    A = _chunk_matrix(A, chunk)
+    X_out = _chunk_matrix(X_out, chunk)
     X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A)
     # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
     # through it
@@ -630,19 +648,12 @@ def _blocked(a, b, PRECISION: tl.constexpr):
 
 @triton.jit
 def _store_inverse_diagonal(matrix, A):
-    """X's diagonal tiles (and the zero tiles above them), returned too."""
+    """X's diagonal tiles, returned too."""
     X00, X11, X22, X33 = _inverse_unit_lower_16_four(
         _load_tile(A, 0, 0), _load_tile(A, 1, 1), _load_tile(A, 2, 2), _load_tile(A, 3, 3))
-    zero = tl.zeros((16, 16), dtype=tl.float32)
     _store_tile(matrix, 0, 0, X00)
-    _store_tile(matrix, 0, 1, zero)
-    _store_tile(matrix, 0, 2, zero)
-    _store_tile(matrix, 0, 3, zero)
     _store_tile(matrix, 1, 1, X11)
-    _store_tile(matrix, 1, 2, zero)
-    _store_tile(matrix, 1, 3, zero)
     _store_tile(matrix, 2, 2, X22)
-    _store_tile(matrix, 2, 3, zero)
     _store_tile(matrix, 3, 3, X33)
     return X00, X11, X22, X33
 
@@ -663,20 +674,6 @@ def _store_inverse_below(matrix, X00, X11, X22, X33, A10, A20, A21, A30, A31, A3
     X30 = -_blocked(X33, _blocked(A30, X00, PRECISION) + _blocked(A31, X10, PRECISION) + _blocked(A32, X20, PRECISION),
                     PRECISION)
     _store_tile(matrix, 3, 0, X30)
-
-
-@triton.jit
-def _store_P(matrix, P10, P20, P21, P30, P31, P32):
-    """P's tiles off the diagonal of one chunk (the upper ones zero; ``_diagonal_kernel`` writes the
-    diagonal ones)."""
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    _store_tile(matrix, 0, 1, zero)
-    _store_tile(matrix, 0, 2, zero)
-    _store_tile(matrix, 0, 3, zero)
-    _store_tile(matrix, 1, 2, zero)
-    _store_tile(matrix, 1, 3, zero)
-    _store_tile(matrix, 2, 3, zero)
-    _store_below(matrix, P10, P20, P21, P30, P31, P32)
 
 
 @triton.jit
@@ -718,7 +715,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 @triton.jit
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
-    X,  # [B, H, N, 64, 64] float32 or bfloat16, from _intra_forward_kernel
+    X,  # [B, H, N, 10, 16, 16] float32 or bfloat16, from _inverse_kernel
     bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
@@ -742,9 +739,9 @@ def _wy_kernel(
     t = first + rows
     row_ok = t < end
     if BFLOAT16_PRODUCTS:
-        X_tile = _load_chunk_matrix_stored(X + (i_bh * N + i_n) * 64 * 64)
+        X_tile = _load_chunk_matrix_stored(_chunk_matrix(X, i_bh * N + i_n))
     else:
-        X_tile = _load_chunk_matrix(X + (i_bh * N + i_n) * 64 * 64)
+        X_tile = _load_chunk_matrix(_chunk_matrix(X, i_bh * N + i_n))
     chunk_rows = (i_bh * N + i_n) * 64
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
@@ -765,8 +762,8 @@ def _wy_kernel(
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
-    """Launch ``_diagonal_kernel``: the diagonal 16x16 tiles of ``P`` and ``A`` (``[B, H, N, 64,
-    64]``; A float32, P float32 or bfloat16; ``intra_forward`` has ``A``'s written into X's buffer
+    """Launch ``_diagonal_kernel``: the diagonal 16x16 tiles of ``P`` and ``A`` (``[B, H, N, 10, 16,
+    16]``; A float32, P float32 or bfloat16; ``intra_forward`` has ``A``'s written into X's buffer
     when X is float32), nothing else of either."""
     B, T, H, K = q.shape
     N = P.shape[2]
@@ -782,7 +779,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and A with the decays, X,
     then the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
-    ``[B, H, N, 64, 64]`` and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
+    ``[B, H, N, 10, 16, 16]`` (``TILES``) and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
     the first row with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X
     may be bfloat16 (``SAVED_IN_BFLOAT16``): the kernels compute in float32 and round on the
     store. With packed sequences, ``chunk_table`` (``[chunks, 2]`` int32: first token, length)
@@ -915,7 +912,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
 
 @triton.jit
 def _output_kernel(
-    qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 64, 64], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
+    qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 10, 16, 16], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
 ):
@@ -930,7 +927,7 @@ def _output_kernel(
     row0 = i_bh * N * 64 + i_n * 64
     # Products in float32 (TF32) whatever the saved dtype, as in the state pass.
     U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0).to(tl.float32)
-    P_tile = _load_chunk_matrix(P + (i_bh * N + i_n) * 64 * 64)
+    P_tile = _load_chunk_matrix(_chunk_matrix(P, i_bh * N + i_n))
     out = tl.dot(P_tile, U_tile, input_precision=DOT)
     state_base = (i_bh * N + i_n) * K * V
     for k0 in range(0, K, BK):
@@ -964,6 +961,18 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
         num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"),
     )
+
+
+def full_chunk_matrices(tiles: torch.Tensor) -> torch.Tensor:
+    """Chunk matrices as stored (``[..., 10, 16, 16]``: the tiles on and below the diagonal, row
+    by row) as whole ``[..., 64, 64]`` matrices, the tiles above the diagonal zero."""
+    full = tiles.new_zeros(tiles.shape[:-3] + (CHUNK, CHUNK))
+    index = 0
+    for I in range(4):
+        for J in range(I + 1):
+            full[..., 16 * I:16 * I + 16, 16 * J:16 * J + 16] = tiles[..., index, :, :]
+            index += 1
+    return full
 
 
 def _table(table, anything):
