@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, STATE_WARPS, _block_lower, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
+from .forward import (CHUNK, STATE_WARPS, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
                       _sequence_chunks, _table, register_cap, value_block)
 
 
@@ -235,8 +235,9 @@ def _intra_backward_values_kernel(
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
     d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)  # with its diagonal (read apart)
     # the keys launch reads the diagonal tiles and those below only
-    tl.store(d_A_scratch + chunk_matrix, d_A, mask=_block_lower())
-    tl.store(d_P_scratch + chunk_matrix, d_P, mask=_block_lower())
+    block_lower = rows[:, None] // 16 >= cols_c[None, :] // 16
+    tl.store(d_A_scratch + chunk_matrix, d_A, mask=block_lower)
+    tl.store(d_P_scratch + chunk_matrix, d_P, mask=block_lower)
 
 
 @triton.jit

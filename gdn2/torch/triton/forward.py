@@ -457,14 +457,6 @@ def _diagonal_by_groups(q, k, g, b, P_tile, A_tile, first, end, HK, K: tl.conste
 
 
 @triton.jit
-def _block_lower():
-    """[64, 64]: the entries of a chunk matrix in its diagonal 16x16 tiles and those below (the
-    only ones its readers need)."""
-    rows = tl.arange(0, 64)
-    return rows[:, None] // 16 >= rows[None, :] // 16
-
-
-@triton.jit
 def _load_chunk_matrix_stored(matrix):
     """One chunk's matrix (P, X, ``matrix`` at its first entry) whole as [64, 64], in its stored
     dtype, the tiles above the diagonal zero (not stored)."""
