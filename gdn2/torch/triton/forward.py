@@ -74,7 +74,7 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 # b k exp(G) written into Wk's own buffer when Wk is bfloat16 (one more rounding, half the bytes
-# of the float32 scratch; measured on 97c7277's forerunner: 2.298 against 2.312 ms forward).
+# of the float32 scratch): no faster (with Uw and U in bfloat16, 1.975 against 1.972 ms forward).
 DECAYED_ERASE_KEYS_IN_WK = False
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
@@ -298,8 +298,9 @@ def _diagonal_kernel(
     chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     first = chunk_first + I * 16  # the sub-block's first token
     sequence = i_b * T * H * K + i_h * K
-    tile = (i_bh * N + i_n) * (10 * 256) + _tile_index(I, I) * 256  # the diagonal tile's first entry
-    _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence, P_out + tile, A_out + tile,
+    tile = _tile_index(I, I) * 256  # the diagonal tile's first entry in its chunk's matrix
+    _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence,
+                        _chunk_matrix(P_out, i_bh * N + i_n) + tile, _chunk_matrix(A_out, i_bh * N + i_n) + tile,
                         first, end, H * K, K, BK, DOT, STAGES)
 
 
@@ -708,7 +709,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
     X,  # [B, H, N, 10, 16, 16] float32 or bfloat16, from _inverse_kernel
-    bkd,  # [B, H, N * 64, K] float32: b k exp(G), from _intra_forward_kernel (may be Wk_out itself)
+    bkd,  # [B, H, N * 64, K] float32 (or Wk_out itself): b k exp(G), from _intra_forward_kernel
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
@@ -771,8 +772,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and A with the decays, X,
     then the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
     ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
-    ``[B, H, N, 10, 16, 16]`` (``TILES``) and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column,
-    the first row with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X
+    ``[B, H, N, 10, 16, 16]`` (``TILES``) and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and
+    value column, the first row with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X
     may be bfloat16 (``SAVED_IN_BFLOAT16``): the kernels compute in float32 and round on the
     store. With packed sequences, ``chunk_table`` (``[chunks, 2]`` int32: first token, length)
     lists the chunks, B is 1 and N the table's length."""
