@@ -72,6 +72,8 @@ VARIANTS: list[dict] = [
     # and P in bfloat16
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse", "P"), DECAYED_ERASE_KEYS_IN_WK=True,
          MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
+    # b k exp(G) made by the WY launch from b, k, g: no float32 bkd stored by the intra-forward launch
+    dict(WY_DECAYS_ERASE_KEYS=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -563,6 +563,32 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
 
 
 @kernel_only
+def test_erase_keys_decayed_by_the_wy_launch(seed, interpreter, monkeypatch):
+    """``WY_DECAYS_ERASE_KEYS`` (b k exp(G) made by the WY launch from b, k and g, exp(G) from a
+    prefix sum down the chunk, in place of the intra-forward launch's store): the default's output,
+    final state and gradients up to float32 rounding, with a hard reset; with a NaN in g and an
+    infinite k, the same outputs where the default's are finite and NaN where they are not."""
+    from gdn2.spec import relative_error
+    from gdn2.torch.triton import forward
+
+    case = make_case(1, 100, 1, 32, 24, seed, log_decay_range=(-20.0, 0.0), reference=False)
+    case["inputs"]["g"][0, 37, 0] = -np.inf
+    bad_inputs, state = _inputs(case, torch.float32)
+    bad_inputs[3][0, 70, 0, 3] = float("nan")  # g
+    bad_inputs[1][0, 20, 0, 5] = float("inf")  # k
+    results, outputs = [], []
+    for on in (False, True):
+        monkeypatch.setattr(forward, "WY_DECAYS_ERASE_KEYS", on)
+        results.append(run_torch(case, "float32", path="kernel"))
+        outputs.append(kernel._forward(*bad_inputs, state, 32 ** -0.5, None, None)[0])
+    for name, value in results[0].items():
+        assert relative_error(results[1][name], value) <= 1e-5, (name, seed)
+    finite = torch.isfinite(outputs[0])
+    assert torch.equal(finite, torch.isfinite(outputs[1])) and not finite.all()
+    assert torch.allclose(outputs[1][finite], outputs[0][finite], rtol=1e-4, atol=1e-6)
+
+
+@kernel_only
 def test_unwritten_entries_are_never_read(seed, interpreter, monkeypatch):
     """Every buffer the kernel path allocates filled with NaN (the value launch writes the tiles
     of dA and dP on and below the diagonal only, and a product that read another would spread its

@@ -79,6 +79,9 @@ DECAYED_ERASE_KEYS_IN_WK = False
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
+# The WY launch makes b k exp(G) itself from b, k and g (a prefix sum of g down the chunk), so
+# that the intra-forward launch stores no float32 bkd (its largest store).
+WY_DECAYS_ERASE_KEYS = False
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
 # these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
@@ -490,7 +493,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, STORE_BKD: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -501,7 +504,7 @@ def _intra_forward_kernel(
     (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``:
     products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
-    NaN or +inf g: ``key_first_bad_out``)."""
+    NaN or +inf g: ``key_first_bad_out``). Without ``STORE_BKD`` no bkd (the WY launch makes it)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -512,7 +515,7 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES)
+        chunk, K, BK, DOT, STAGES, STORE_BKD)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
@@ -543,7 +546,8 @@ def _inverse_kernel(
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
+                        STORE_BKD: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -575,7 +579,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        if STORE_BKD:
+            _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
@@ -586,7 +591,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        if STORE_BKD:
+            _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
@@ -600,7 +606,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        if STORE_BKD:
+            _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
@@ -616,7 +623,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        if STORE_BKD:
+            _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
         r = tl.arange(0, 16)
@@ -707,6 +715,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 
 @triton.jit
 def _wy_kernel(
+    k, g, b,  # inputs [B, T, H, K] (read with DECAY_ERASE_KEYS only)
     v, w,  # inputs [B, T, H, V]
     X,  # [B, H, N, 10, 16, 16] float32 or bfloat16, from _inverse_kernel
     bkd,  # [B, H, N * 64, K] float32 (or Wk_out itself): b k exp(G), from _intra_forward_kernel
@@ -716,13 +725,17 @@ def _wy_kernel(
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
+    DECAY_ERASE_KEYS: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
     of its Wk is stored (one program per chunk, distinct columns per step). With
-    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored."""
+    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored. With
+    ``DECAY_ERASE_KEYS`` bkd is made here from b, k and g (``exp(G)`` from a prefix sum of g down
+    the chunk's rows, a span sum; bad values read as the intra-forward launch reads them), and
+    ``bkd`` is not read."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -736,6 +749,7 @@ def _wy_kernel(
     else:
         X_tile = _load_chunk_matrix(_chunk_matrix(X, i_bh * N + i_n))
     chunk_rows = (i_bh * N + i_n) * 64
+    key_base = i_b * T * H * K + i_h * K
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
@@ -743,7 +757,13 @@ def _wy_kernel(
         cols = k0 + tl.arange(0, BK)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
-        bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0)
+        if DECAY_ERASE_KEYS:
+            key_rows = key_base + t[:, None] * (H * K) + cols[None, :]
+            key_ok = row_ok[:, None] & (cols < K)[None, :]
+            G = tl.cumsum(_load_decay(g + key_rows, key_ok), 0)
+            bkd_tile = _load_finite(b + key_rows, key_ok) * _load_finite(k + key_rows, key_ok) * tl.exp(G)
+        else:
+            bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0)
         if BFLOAT16_PRODUCTS:
             Wk = tl.dot(X_tile, bkd_tile)
         else:
@@ -788,22 +808,24 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
     # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
-    in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK
+    # With WY_DECAYS_ERASE_KEYS there is none (Wk in its place, not read).
+    in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK or WY_DECAYS_ERASE_KEYS
     bkd = Wk if in_place else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        **register_cap("intra_forward"),
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, STORE_BKD=not WY_DECAYS_ERASE_KEYS,
+        num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
-        v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
+        k, g, b, v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
-        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
+        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16 and not WY_DECAYS_ERASE_KEYS,
+        DECAY_ERASE_KEYS=WY_DECAYS_ERASE_KEYS,
         num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
