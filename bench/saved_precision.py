@@ -39,16 +39,17 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-DEFAULT = ("states", "qd", "kd", "Wk")
+DEFAULT = ("states", "qd", "kd", "Wk", "U")
+# Each configuration: the saved buffers in bfloat16 and, where it differs from the default, a
+# launch constant (kernel_resources.set_launch).
 CONFIGS = {
-    "default": DEFAULT,
-    "Wk in float32": ("states", "qd", "kd"),
-    "+Uw": DEFAULT + ("Uw",),
-    "+U": DEFAULT + ("U",),
-    "+Uw,U": DEFAULT + ("Uw", "U"),
-    "+P": DEFAULT + ("P",),
-    "+inverse": DEFAULT + ("inverse",),
-    "+Uw,U,P,inverse": DEFAULT + ("Uw", "U", "P", "inverse"),
+    "default": dict(SAVED_IN_BFLOAT16=DEFAULT),
+    "U in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk")),
+    "Wk, U in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd")),
+    "+Uw": dict(SAVED_IN_BFLOAT16=DEFAULT + ("Uw",)),
+    "+P": dict(SAVED_IN_BFLOAT16=DEFAULT + ("P",)),
+    "+inverse": dict(SAVED_IN_BFLOAT16=DEFAULT + ("inverse",)),
+    "+Uw,P,inverse": dict(SAVED_IN_BFLOAT16=DEFAULT + ("Uw", "P", "inverse")),
 }
 # (B, T, H, K, V, log decay range); the third is the shape of tests/test_triton.py's
 # test_kernel_bfloat16_saved_buffers_widest (not run unless asked for: --shapes 2).
@@ -66,7 +67,6 @@ def _task(shape_index: int, seed: int, configs: list[str], gpu_blocks: bool) -> 
 
     import torch
 
-    import gdn2.torch.triton as operator
     from gdn2.testing import make_case, rounded_case, run_torch
     from gdn2.spec import relative_error
     from kernel_resources import set_launch  # bench/, next to this script
@@ -80,9 +80,10 @@ def _task(shape_index: int, seed: int, configs: list[str], gpu_blocks: bool) -> 
     rounded = rounded_case(case, lambda x: torch.tensor(x).to(torch.bfloat16).double().numpy())
     rows = []
     for config in configs:
-        operator.SAVED_IN_BFLOAT16 = CONFIGS[config]
+        previous = set_launch(CONFIGS[config])
         start = time.time()
         result = run_torch(case, "bfloat16", path="kernel")  # the same bf16 inputs as ``rounded``'s
+        set_launch(previous)
         row = dict(shape=shape_index, seed=seed, config=config, seconds=round(time.time() - start, 1))
         for label, reference in (("a", case["expected"]), ("b", rounded["expected"])):
             row[label] = {name: relative_error(value, reference[name]) for name, value in result.items()}

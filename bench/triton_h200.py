@@ -59,21 +59,12 @@ CHECK_SHAPES = [
 VARIANTS: list[dict] = [
     # the state pass's and the output's products widened to float32 (TF32): the form before
     dict(STATE_BFLOAT16_PRODUCTS=False, OUTPUT_BFLOAT16_PRODUCT=False),
-    # Uw and U saved in bfloat16 (o's error 3.64e-3 -> 3.99e-3 in bench/RESULTS.md's paired study,
-    # fla's 4.40e-3), the contraction and value launches capped at 128 registers (130 without)
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U"),
-         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
-    # and b k exp(G) in Wk's bfloat16 buffer
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U"), DECAYED_ERASE_KEYS_IN_WK=True,
-         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
-    # and X in bfloat16: the WY products on bfloat16 operands
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse"), DECAYED_ERASE_KEYS_IN_WK=True,
-         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
-    # and P in bfloat16
-    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse", "P"), DECAYED_ERASE_KEYS_IN_WK=True,
-         MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
-    # b k exp(G) made by the WY launch from b, k, g: no float32 bkd stored by the intra-forward launch
-    dict(WY_DECAYS_ERASE_KEYS=True),
+    # U saved in float32 (the default before; o's bf16 error 3.68e-3 against 3.89e-3)
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk")),
+    # Uw in bfloat16 too (the bf16 check's worst gradient 5.03e-3 -> 6.10e-3, db)
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "Uw")),
+    # every buffer that can be bfloat16, b k exp(G) in Wk's buffer, the WY products on bfloat16 X and bkd
+    dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse", "P"), DECAYED_ERASE_KEYS_IN_WK=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -136,6 +136,28 @@ def test_kernel_bfloat16_saved_buffers_widest(seed, interpreter, monkeypatch):
 
 
 @kernel_only
+def test_state_update_ignores_how_U_is_saved(seed, interpreter, monkeypatch):
+    """U saved in bfloat16 or float32: the state pass updates the state on U as computed, so the
+    chunk states and the final state are the same bit for bit, and the saved U is the float32 one
+    rounded (updating on the saved bfloat16 U took the final state's error against the spec from
+    6e-4 to 1e-3 up to 1.7e-3 to 2.2e-3 at B=1 T=200 K=64 V=48)."""
+    case = make_case(1, 200, 1, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    runs = {}
+    for saved_U in (torch.bfloat16, torch.float32):
+        in_bfloat16 = ("states", "qd", "kd", "Wk") + (("U",) if saved_U == torch.bfloat16 else ())
+        monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
+        o, final_state, *saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)
+        runs[saved_U] = dict(final_state=final_state, **dict(zip(kernel.SAVED, saved)))
+        assert runs[saved_U]["U"].dtype == saved_U
+    rounded, exact = runs[torch.bfloat16], runs[torch.float32]
+    assert torch.equal(rounded["final_state"], exact["final_state"])
+    assert torch.equal(rounded["states"], exact["states"])
+    assert torch.equal(rounded["U"], exact["U"].to(torch.bfloat16))
+    assert exact["U"].abs().max() > 0
+
+
+@kernel_only
 def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     """Slow decay, so that A's tiles far below the diagonal count in the blocked inverse, and a
     hard reset: output, final state and every gradient against the spec in float32. The
@@ -563,32 +585,6 @@ def test_intra_forward_writes_every_entry(packed, dtype, in_bfloat16, seed, inte
 
 
 @kernel_only
-def test_erase_keys_decayed_by_the_wy_launch(seed, interpreter, monkeypatch):
-    """``WY_DECAYS_ERASE_KEYS`` (b k exp(G) made by the WY launch from b, k and g, exp(G) from a
-    prefix sum down the chunk, in place of the intra-forward launch's store): the default's output,
-    final state and gradients up to float32 rounding, with a hard reset; with a NaN in g and an
-    infinite k, the same outputs where the default's are finite and NaN where they are not."""
-    from gdn2.spec import relative_error
-    from gdn2.torch.triton import forward
-
-    case = make_case(1, 100, 1, 32, 24, seed, log_decay_range=(-20.0, 0.0), reference=False)
-    case["inputs"]["g"][0, 37, 0] = -np.inf
-    bad_inputs, state = _inputs(case, torch.float32)
-    bad_inputs[3][0, 70, 0, 3] = float("nan")  # g
-    bad_inputs[1][0, 20, 0, 5] = float("inf")  # k
-    results, outputs = [], []
-    for on in (False, True):
-        monkeypatch.setattr(forward, "WY_DECAYS_ERASE_KEYS", on)
-        results.append(run_torch(case, "float32", path="kernel"))
-        outputs.append(kernel._forward(*bad_inputs, state, 32 ** -0.5, None, None)[0])
-    for name, value in results[0].items():
-        assert relative_error(results[1][name], value) <= 1e-5, (name, seed)
-    finite = torch.isfinite(outputs[0])
-    assert torch.equal(finite, torch.isfinite(outputs[1])) and not finite.all()
-    assert torch.allclose(outputs[1][finite], outputs[0][finite], rtol=1e-4, atol=1e-6)
-
-
-@kernel_only
 def test_unwritten_entries_are_never_read(seed, interpreter, monkeypatch):
     """Every buffer the kernel path allocates filled with NaN (the value launch writes the tiles
     of dA and dP on and below the diagonal only, and a product that read another would spread its
@@ -655,7 +651,7 @@ def test_precision_study_default_is_the_operators():
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
     assert study.DEFAULT == kernel.SAVED_IN_BFLOAT16
-    assert study.CONFIGS["default"] == kernel.SAVED_IN_BFLOAT16
+    assert study.CONFIGS["default"] == dict(SAVED_IN_BFLOAT16=kernel.SAVED_IN_BFLOAT16)
 
 
 def test_register_caps_name_launches():

@@ -14,10 +14,11 @@ PyTorch custom operators (with their autograd) built from these launches:
 
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The
-16x16 products that build the inverse of ``I + A`` are exact float32. Under the Triton
+inverse of ``I + A`` has its diagonal 16x16 tiles from forward substitution in float32 and the
+others from 16x16 products in that precision. Under the Triton
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
 inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (by default the chunk states, the decayed
-queries and keys and Wk) are kept in bfloat16.
+queries and keys, Wk and U) are kept in bfloat16.
 """
 
 from __future__ import annotations
@@ -96,11 +97,14 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 # and round on the store; a product whose operands are both bfloat16 as saved runs on them as they
 # are (exact), the others widen what they read to float32. Measured against the float64 spec on
 # bfloat16 inputs, the same draws for every choice (bench/saved_precision.py, bench/RESULTS.md):
-# the chunk states, qd, kd and Wk (and the inverse) change no error visibly; Uw or U raise o's own
-# error 1.3x and the final state's 3-8x, and made the backward slower on the H200. Wk in bfloat16:
-# forward+backward 11.60 -> 11.35 ms at B=8 T=4096 H=16 K=V=128 (H200). float16 inputs keep every
-# buffer in float32 (a state entry may pass float16's 65504).
-SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk")
+# the chunk states, qd, kd and Wk (and the inverse) change no error visibly; U raises o's own
+# error 1.3x (o against the spec on the unrounded inputs 3.64e-3 -> 3.99e-3, flash-linear-attention's
+# 4.40e-3) and leaves the states and gradients as they were (the state pass updates the state on
+# U before its rounding); it took the forward from 2.054 / 2.302 / 2.149 ms to 2.005 / 2.269 /
+# 2.081 at the three shapes of bench/triton_h200.py (H200). Uw raises the worst gradient's error
+# (5.0e-3 -> 6.1e-3, db). float16 inputs keep every buffer in float32 (a state entry may pass
+# float16's 65504).
+SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
 
 
 def _saved_dtypes(dtype: torch.dtype) -> list[torch.dtype]:

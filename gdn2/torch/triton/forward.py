@@ -79,9 +79,6 @@ DECAYED_ERASE_KEYS_IN_WK = False
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
-# The WY launch makes b k exp(G) itself from b, k and g (a prefix sum of g down the chunk), so
-# that the intra-forward launch stores no float32 bkd (its largest store).
-WY_DECAYS_ERASE_KEYS = False
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
 # these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
@@ -89,9 +86,10 @@ STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have
 # 9.636 -> 8.762 ms (168: 8.877; 112: 9.341); at four warps 80 had beaten its own 128 (10.322 ->
 # 9.894). The value launch's masked load of X (``_load_chunk_matrix``, its zero tiles not read)
 # took it from 125 to 143 registers, two programs a multiprocessor against four: 128 gives back
-# four, without spills. No cap helped the WY, output, diagonal, inverse, contraction or
-# intra-forward launch.
-MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 128, "intra_backward_values": 128}
+# four, without spills. The contraction launch with U saved in bfloat16: 130 registers, two
+# programs a multiprocessor; 128 gives back four, without spills (95 with U in float32). No cap
+# helped the WY, output, diagonal, inverse or intra-forward launch.
+MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}
 
 
 def register_cap(launch: str) -> dict:
@@ -500,7 +498,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, STORE_BKD: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -511,7 +509,7 @@ def _intra_forward_kernel(
     (``exp(G_i) = e^{L_i} prod_{M<I} t_M``, ``exp(G_last - G_j) = e^{R_j} prod_{M>J} t_M``:
     products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
-    NaN or +inf g: ``key_first_bad_out``). Without ``STORE_BKD`` no bkd (the WY launch makes it)."""
+    NaN or +inf g: ``key_first_bad_out``)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -522,7 +520,7 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES, STORE_BKD)
+        chunk, K, BK, DOT, STAGES)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
@@ -553,8 +551,7 @@ def _inverse_kernel(
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
-                        STORE_BKD: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -586,8 +583,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-        if STORE_BKD:
-            _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
@@ -598,8 +594,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-        if STORE_BKD:
-            _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
@@ -613,8 +608,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-        if STORE_BKD:
-            _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
@@ -630,8 +624,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-        if STORE_BKD:
-            _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
         r = tl.arange(0, 16)
@@ -722,7 +715,6 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 
 @triton.jit
 def _wy_kernel(
-    k, g, b,  # inputs [B, T, H, K] (read with DECAY_ERASE_KEYS only)
     v, w,  # inputs [B, T, H, V]
     X,  # [B, H, N, 10, 16, 16] float32 or bfloat16, from _inverse_kernel
     bkd,  # [B, H, N * 64, K] float32 (or Wk_out itself): b k exp(G), from _intra_forward_kernel
@@ -732,17 +724,13 @@ def _wy_kernel(
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
-    DECAY_ERASE_KEYS: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
     of its Wk is stored (one program per chunk, distinct columns per step). With
-    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored. With
-    ``DECAY_ERASE_KEYS`` bkd is made here from b, k and g (``exp(G)`` from a prefix sum of g down
-    the chunk's rows, a span sum; bad values read as the intra-forward launch reads them), and
-    ``bkd`` is not read."""
+    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -756,7 +744,6 @@ def _wy_kernel(
     else:
         X_tile = _load_chunk_matrix(_chunk_matrix(X, i_bh * N + i_n))
     chunk_rows = (i_bh * N + i_n) * 64
-    key_base = i_b * T * H * K + i_h * K
     bkd += chunk_rows * K
     Wk_out += chunk_rows * K
     Uw_out += chunk_rows * V
@@ -764,13 +751,7 @@ def _wy_kernel(
         cols = k0 + tl.arange(0, BK)
         out = rows[:, None] * K + cols[None, :]
         out_ok = (rows >= 0)[:, None] & (cols < K)[None, :]
-        if DECAY_ERASE_KEYS:
-            key_rows = key_base + t[:, None] * (H * K) + cols[None, :]
-            key_ok = row_ok[:, None] & (cols < K)[None, :]
-            G = tl.cumsum(_load_decay(g + key_rows, key_ok), 0)
-            bkd_tile = _load_finite(b + key_rows, key_ok) * _load_finite(k + key_rows, key_ok) * tl.exp(G)
-        else:
-            bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0)
+        bkd_tile = tl.load(bkd + out, mask=out_ok, other=0.0)
         if BFLOAT16_PRODUCTS:
             Wk = tl.dot(X_tile, bkd_tile)
         else:
@@ -815,24 +796,22 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
     # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
-    # With WY_DECAYS_ERASE_KEYS there is none (Wk in its place, not read).
-    in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK or WY_DECAYS_ERASE_KEYS
+    in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK
     bkd = Wk if in_place else torch.empty(Wk.shape, dtype=torch.float32, device=Wk.device)
     key_first_bad = torch.empty((B, H, N), dtype=torch.int32, device=Wk.device)
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, STORE_BKD=not WY_DECAYS_ERASE_KEYS,
-        num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
-        k, g, b, v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
+        v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
-        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16 and not WY_DECAYS_ERASE_KEYS,
-        DECAY_ERASE_KEYS=WY_DECAYS_ERASE_KEYS,
+        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
         num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
@@ -873,12 +852,10 @@ def _state_forward_kernel(
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
             U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
-            U = U.to(U_out.dtype.element_ty)
-            tl.store(U_out + values, U, mask=v_ok[None, :])
-            if U_out.dtype.element_ty == tl.bfloat16:  # U is its own high part
-                state = tl.dot(tl.trans(kd_tile), U, state * decay[:, None])
-            else:
-                state = _split_dot(tl.trans(kd_tile), U, state * decay[:, None])
+            tl.store(U_out + values, U.to(U_out.dtype.element_ty), mask=v_ok[None, :])
+            # the state update on U as computed, not as saved: on a bfloat16 U as saved, one
+            # product, the final state's error was 3-8x, o's the same (bench/RESULTS.md)
+            state = _split_dot(tl.trans(kd_tile), U, state * decay[:, None])
         else:
             # Products in float32 (TF32), every operand widened: float32 or float16 saved buffers,
             # or STATE_BFLOAT16_PRODUCTS off (an earlier form of this loop on bfloat16 operands was
@@ -886,9 +863,8 @@ def _state_forward_kernel(
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
             U -= tl.dot(Wk_tile, state, input_precision=DOT)
-            U = U.to(U_out.dtype.element_ty)
-            tl.store(U_out + values, U, mask=v_ok[None, :])
-            state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U.to(tl.float32), input_precision=DOT)
+            tl.store(U_out + values, U.to(U_out.dtype.element_ty), mask=v_ok[None, :])
+            state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U, input_precision=DOT)
         # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
         poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
@@ -927,7 +903,8 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
-        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16,
+        num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
