@@ -325,10 +325,11 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     bk = max(16, triton.next_power_of_2(K))
     out = {}
     fk = forward
+    bkd = saved("Wk") if fk.DECAYED_ERASE_KEYS_IN_WK else f32  # the buffer intra_forward gives b k exp(G)
     out["intra_forward"] = (
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
-             kd_out=saved("kd"), bkd_out=saved("Wk") if fk.DECAYED_ERASE_KEYS_IN_WK else f32, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
+             kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
@@ -338,7 +339,6 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                       fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
-    bkd = saved("Wk") if fk.DECAYED_ERASE_KEYS_IN_WK else f32  # the buffer intra_forward gives b k exp(G)
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16")
     out["wy"] = (

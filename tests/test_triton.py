@@ -147,7 +147,7 @@ def test_state_update_ignores_how_U_is_saved(seed, interpreter, monkeypatch):
     for saved_U in (torch.bfloat16, torch.float32):
         in_bfloat16 = ("states", "qd", "kd", "Wk") + (("U",) if saved_U == torch.bfloat16 else ())
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-        o, final_state, *saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)
+        _, final_state, *saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)
         runs[saved_U] = dict(final_state=final_state, **dict(zip(kernel.SAVED, saved)))
         assert runs[saved_U]["U"].dtype == saved_U
     rounded, exact = runs[torch.bfloat16], runs[torch.float32]

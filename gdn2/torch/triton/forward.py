@@ -903,8 +903,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
-        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16,
-        num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
