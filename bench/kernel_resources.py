@@ -362,8 +362,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
-                 PACKED=packed, STAGES=fk.STATE_STAGES,
-                 SPLIT=fk.STATE_BFLOAT16_PRODUCTS and saved("Wk") == saved("kd") == "bf16"),
+                 PACKED=packed, STAGES=fk.state_stages(bk),
+                 SPLIT=fk.state_split_products(saved("Wk") == saved("kd") == "bf16", fk.state_stages(bk))),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]

@@ -654,6 +654,21 @@ def test_precision_study_default_is_the_operators():
     assert study.CONFIGS["default"] == dict(SAVED_IN_BFLOAT16=kernel.SAVED_IN_BFLOAT16)
 
 
+def test_state_pass_widens_its_products_without_loads_ahead():
+    """The state pass's split bfloat16 products only run with its loads issued ahead: Triton 3.6
+    builds them without that wrong for the H200 (an illegal memory access at K = 256, which loads
+    nothing ahead; the widened products are right there, bench/RESULTS.md). At K <= 128 they run
+    (the form the H200 checks time)."""
+    from gdn2.torch.triton import forward
+
+    assert forward.state_stages(256) == 1
+    assert not forward.state_split_products(True, forward.state_stages(256))
+    for BK in (16, 64, 128):
+        assert forward.state_stages(BK) == forward.STATE_STAGES > 1
+        assert forward.state_split_products(True, forward.state_stages(BK))
+        assert not forward.state_split_products(False, forward.state_stages(BK))
+
+
 def test_register_caps_name_launches():
     """Every launch ``MAX_REGISTERS`` caps is a launch that asks for its cap (a misspelt name would
     cap nothing, silently), and the caps are ones ptxas takes (24 to 255 registers)."""

@@ -65,7 +65,7 @@ DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
-STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (shared memory)
+STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
@@ -888,6 +888,21 @@ def value_block(V: int, programs_per_block: int) -> int:
     return block
 
 
+def state_stages(BK: int) -> int:
+    """The state pass's ``STAGES`` for BK key rows: loads one chunk ahead at K <= 128 only (the
+    shared memory)."""
+    return STATE_STAGES if BK <= 128 else 1
+
+
+def state_split_products(bfloat16: bool, stages: int) -> bool:
+    """Whether the state pass runs its products on Wk and kd as stored, the state and U split
+    (``_split_dot``): with ``STATE_BFLOAT16_PRODUCTS``, Wk and kd bfloat16 (``bfloat16``) and the
+    loads issued ahead (``stages`` > 1). Triton 3.6 builds the split form without loads ahead
+    wrong for the H200: an illegal memory access at K = 256 (bench/RESULTS.md), where the
+    widened form is right."""
+    return STATE_BFLOAT16_PRODUCTS and bfloat16 and stages > 1
+
+
 def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
                   sequence_chunks=None) -> None:
     """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``), one
@@ -896,14 +911,15 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
+    stages = state_stages(BK)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
         states, U, final_state if final_state is not None else states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        PACKED=sequence_chunks is not None, STAGES=STATE_STAGES if BK <= 128 else 1,
-        SPLIT=STATE_BFLOAT16_PRODUCTS and Wk.dtype == kd.dtype == torch.bfloat16, num_warps=STATE_WARPS, num_stages=1,
+        PACKED=sequence_chunks is not None, STAGES=stages,
+        SPLIT=state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
