@@ -335,7 +335,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
-    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, dict(PRECISION=dot, ROW_LOADS=fk.INVERSE_ROW_LOADS),
+    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, dict(PRECISION=dot),
                       fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads

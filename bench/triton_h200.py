@@ -66,8 +66,6 @@ VARIANTS: list[dict] = [
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "Uw")),
     # every buffer that can be bfloat16, b k exp(G) in Wk's buffer, the WY products on bfloat16 X and bkd
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "Uw", "U", "inverse", "P"), DECAYED_ERASE_KEYS_IN_WK=True),
-    # the inverse's substitution on A's diagonal tiles held in registers (the form before)
-    dict(INVERSE_ROW_LOADS=False),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -63,7 +63,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
-INVERSE_ROW_LOADS = True  # the substitution's rows of A loaded step by step (else A's diagonal tiles held)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
@@ -163,8 +162,11 @@ def _split_dot(a, b, acc):
 
 @triton.jit
 def _inverse_unit_lower_16_four(A0, A1, A2, A3):
-    """``(I + A)^{-1}`` for four strictly lower 16x16 matrices, by forward substitution (exact
-    order), in one loop so that the four independent chains of row reductions overlap."""
+    """``(I + A)^{-1}`` for four strictly lower 16x16 matrices (``A0`` .. ``A3`` at each tile's
+    first entry, row-major, zero on and above the diagonal) by forward substitution (exact
+    order), in one loop so that the four independent chains of row reductions overlap. A's rows
+    are loaded from memory step by step (no A tile held: one warp, 96 registers against 168 with
+    the tiles in registers, whose rows cost a reduction each; both 2.00 ms forward on the H200)."""
     r = tl.arange(0, 16)
     X0 = (r[:, None] == r[None, :]).to(tl.float32)
     X1 = X0
@@ -172,43 +174,17 @@ def _inverse_unit_lower_16_four(A0, A1, A2, A3):
     X3 = X0
     for i in range(1, 16):
         at_i = r[:, None] == i
-        X0 = _substitute_row(X0, A0, at_i)
-        X1 = _substitute_row(X1, A1, at_i)
-        X2 = _substitute_row(X2, A2, at_i)
-        X3 = _substitute_row(X3, A3, at_i)
+        X0 = _substitute_row(X0, tl.load(A0 + i * 16 + r), at_i)
+        X1 = _substitute_row(X1, tl.load(A1 + i * 16 + r), at_i)
+        X2 = _substitute_row(X2, tl.load(A2 + i * 16 + r), at_i)
+        X3 = _substitute_row(X3, tl.load(A3 + i * 16 + r), at_i)
     return X0, X1, X2, X3
 
 
 @triton.jit
-def _inverse_unit_lower_16_four_rows(A0, A1, A2, A3):
-    """``_inverse_unit_lower_16_four`` with A's rows loaded from memory one step at a time
-    (``A0`` .. ``A3`` at each tile's first entry, row-major, zero on and above the diagonal): one
-    reduction across rows per step and tile instead of two, and no A tile held in registers."""
-    r = tl.arange(0, 16)
-    X0 = (r[:, None] == r[None, :]).to(tl.float32)
-    X1 = X0
-    X2 = X0
-    X3 = X0
-    for i in range(1, 16):
-        at_i = r[:, None] == i
-        X0 = _substitute_loaded_row(X0, tl.load(A0 + i * 16 + r), at_i)
-        X1 = _substitute_loaded_row(X1, tl.load(A1 + i * 16 + r), at_i)
-        X2 = _substitute_loaded_row(X2, tl.load(A2 + i * 16 + r), at_i)
-        X3 = _substitute_loaded_row(X3, tl.load(A3 + i * 16 + r), at_i)
-    return X0, X1, X2, X3
-
-
-@triton.jit
-def _substitute_loaded_row(X, a_row, at_i):
+def _substitute_row(X, a_row, at_i):
     """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it, ``a_row`` = A[i, :] (zero from
     column i on)."""
-    return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
-
-
-@triton.jit
-def _substitute_row(X, A, at_i):
-    """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it: ``X[i] -= sum_j A[i, j] X[j]``."""
-    a_row = tl.sum(tl.where(at_i, A, 0.0), 0)  # A[i, :], indexed by column j
     return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
 
 
@@ -557,24 +533,25 @@ def _inverse_kernel(
     A,  # [B, H, N, 10, 16, 16] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
     PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
-    ROW_LOADS: tl.constexpr,  # the substitution's rows of A loaded from memory step by step
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
     read before X's tile in its place is written): the diagonal tiles by forward substitution in
     float32, the others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` with
     products in ``PRECISION``, each tile stored as soon as it is final, X's upper tiles zero.
-    sm_90a at one warp: 168 registers and no spills with TF32 products (the default), 255 and 136 B
+    sm_90a at one warp: 96 registers and no spills with TF32 products (the default), 255 and 140 B
     of spills with exact float32 ones ("ieee"); TF32 took the forward from 2.312 to 2.283 ms and
     from 2.208 to 2.181 ms, the errors against the spec unchanged at the check shapes."""
     chunk = tl.program_id(0).to(tl.int64)
     A = _chunk_matrix(A, chunk)
     X_out = _chunk_matrix(X_out, chunk)
-    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, ROW_LOADS)
+    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A)
     # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
-    # through it
-    _store_inverse_below(X_out, X00, X11, X22, X33, _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1),
-                         _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2), PRECISION)
+    # through it, and all read before X's tiles overwrite them
+    A10, A20, A21 = _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1)
+    A30, A31, A32 = _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2)
+    tl.debug_barrier()
+    _store_inverse_below(X_out, X00, X11, X22, X33, A10, A20, A21, A30, A31, A32, PRECISION)
 
 
 @triton.jit
@@ -676,15 +653,12 @@ def _blocked(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_inverse_diagonal(matrix, A, ROW_LOADS: tl.constexpr):
+def _store_inverse_diagonal(matrix, A):
     """X's diagonal tiles, returned too."""
-    if ROW_LOADS:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four_rows(
-            A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
-            A + _tile_entry(3, 3, 0, 0))
-    else:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-            _load_tile(A, 0, 0), _load_tile(A, 1, 1), _load_tile(A, 2, 2), _load_tile(A, 3, 3))
+    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+        A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
+        A + _tile_entry(3, 3, 0, 0))
+    tl.debug_barrier()  # every row of A read before X's tiles overwrite them (X formed over A)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 1, 1, X11)
     _store_tile(matrix, 2, 2, X22)
@@ -838,8 +812,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
-    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, ROW_LOADS=INVERSE_ROW_LOADS,
-                                  num_warps=INVERSE_WARPS, num_stages=1,
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
