@@ -2,7 +2,7 @@
 
 Timing only, on a CUDA GPU: each form is ``gdn2/torch/triton/forward.py`` with one edit of its
 source (its results are wrong by design), loaded as a module of its own, and its
-``_intra_forward_kernel`` launched alone on the same bf16 inputs as the operator would (B=8
+``_intra_forward_kernel`` (the form on one sub-block at a time) launched alone on the same bf16 inputs as the operator would (B=8
 T=4096 H=16 K=128 by default, ``bench/triton_h200.py``'s first timing shape)::
 
     python3 bench/intra_forward_whatif.py
@@ -47,9 +47,11 @@ def without_stores(source: str) -> str:
 
 
 def without_scans(source: str) -> str:
+    start = source.index("def _sub_block(")
+    end = source.index("@triton.jit", start)
     scans = "    L = tl.cumsum(decay, 0)\n    R = _exclusive_suffix(decay)"
-    assert source.count(scans) == 1, "the sub-block's two scans"
-    return source.replace(scans, "    L = decay * 0.5\n    R = decay * 0.25")
+    assert source[start:end].count(scans) == 1, "the sub-block's two scans"
+    return source[:start] + source[start:end].replace(scans, "    L = decay * 0.5\n    R = decay * 0.25") + source[end:]
 
 
 def without_P_products(source: str) -> str:
@@ -106,7 +108,7 @@ def main() -> None:
                 module._intra_forward_kernel[(N, B * H)](
                     q, k, g, b, P, A, qd, kd, bkd, gamma, first_bad, P, T, H, K, N,
                     BK=min(module.INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT="tf32",
-                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, num_warps=module.INTRA_FORWARD_WARPS,
+                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, PAIRED=False, num_warps=module.INTRA_FORWARD_WARPS,
                     num_stages=1)
 
             launch()

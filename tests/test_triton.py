@@ -682,3 +682,39 @@ def test_register_caps_name_launches():
             "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient"} == asked
     assert set(forward.MAX_REGISTERS) <= asked
     assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())
+
+
+@kernel_only
+@pytest.mark.parametrize("shape", [(2, 130, 2, 40, 24, (-20.0, 0.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))],
+                         ids=["K40-two-chunks", "K128"])
+def test_paired_intra_forward_matches_spec(shape, seed, interpreter, monkeypatch):
+    """The intra-forward on pairs of sub-blocks (``INTRA_FORWARD_PAIRED``) against the float64
+    spec: output, final state and every gradient, K not a multiple of its key block."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED", True)
+    B, T, H, K, V, decay = shape
+    _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
+
+
+@pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
+                         ids=["batch-float32", "packed-bfloat16"])
+def test_paired_intra_forward_matches_the_sub_block_form(packed, dtype, seed, interpreter, monkeypatch):
+    """Every buffer the in-chunk launches fill, with the intra-forward on pairs of sub-blocks and
+    on one sub-block at a time, on inputs with hard resets, a NaN in g and non-finite k and b
+    (``_intra_forward_filled``): equal to float32 rounding (bfloat16 buffers to one rounding),
+    and the same first bad rows."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED", False)
+    single, single_bad = _intra_forward_filled(packed, dtype, seed)
+    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED", True)
+    paired, paired_bad = _intra_forward_filled(packed, dtype, seed)
+    assert torch.equal(single_bad, paired_bad)
+    for name, expected in single.items():
+        got = paired[name].double()
+        expected = expected.double()
+        assert torch.isfinite(got).all(), name
+        tolerance = 1e-2 if paired[name].dtype == torch.bfloat16 else 1e-5
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        assert error <= tolerance, (name, error, seed)

@@ -59,6 +59,9 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
 INTRA_FORWARD_KEY_BLOCK = 16
+# The intra-forward on its sub-blocks in two pairs (_off_diagonal_tiles_paired): scans inside a
+# warp, products of stacked pairs shared by the warps.
+INTRA_FORWARD_PAIRED = False
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -501,7 +504,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, PAIRED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -521,11 +524,16 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES)
-    _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
-    _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
+    if PAIRED:
+        _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, _chunk_matrix(P_out, chunk),
+                                   _chunk_matrix(A_out, chunk), qd_out, kd_out, bkd_out, gamma_out,
+                                   key_first_bad_out, chunk, K, BK, DOT, STAGES)
+    else:
+        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+            chunk, K, BK, DOT, STAGES)
+        _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
+        _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -643,6 +651,150 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
+
+
+@triton.jit
+def _pair_rows(base, t0, pair: tl.constexpr, HK, cols, col_ok, end):
+    """Pointers and mask of sub-blocks ``2 pair`` and ``2 pair + 1`` of a chunk side by side as
+    [16, 2, BK] (row r, sub-block of the pair, column); also their rows in the chunk."""
+    r = tl.arange(0, 16)[:, None, None]
+    p = tl.arange(0, 2)[None, :, None]
+    row = 32 * pair + 16 * p + r
+    t = t0 + row
+    return base + t * HK + cols[None, None, :], (t < end) & col_ok[None, None, :], row
+
+
+@triton.jit
+def _pair_load(q, k, b, g, key_base, t0, pair: tl.constexpr, end, HK, cols, col_ok):
+    """q, k, b and g of a pair of sub-blocks as stored ([16, 2, BK], ``_pair_rows``)."""
+    offsets, ok, _ = _pair_rows(key_base, t0, pair, HK, cols, col_ok, end)
+    k_raw = tl.load(k + offsets, mask=ok, other=0.0)
+    q_raw = tl.load(q + offsets, mask=ok, other=0.0)
+    b_raw = tl.load(b + offsets, mask=ok, other=0.0)
+    return q_raw, k_raw, b_raw, tl.load(g + offsets, mask=ok, other=0.0)
+
+
+@triton.jit
+def _pair_sums(q_raw, k_raw, b_raw, g_raw, row, key_bad):
+    """``_sub_block`` for a pair of sub-blocks ([16, 2, BK]): q, k, b k, ``exp(L)``, ``exp(R)``,
+    each sub-block's total log decay per column ([1, 2, BK]: the inclusive sum at its last row)
+    and ``key_bad`` updated with the pair's bad rows. The scans run down axis 0, which one warp
+    holds for each sub-block at two warps (no scan across warps)."""
+    q_tile = q_raw.to(tl.float32)
+    k_raw = k_raw.to(tl.float32)
+    b_raw = b_raw.to(tl.float32)
+    g_tile = g_raw.to(tl.float32)
+    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad = tl.minimum(key_bad, tl.where(bad, row, 64))
+    k_tile = _finite(k_raw)
+    bk = _finite(b_raw) * k_tile
+    decay = _decay(g_tile)
+    L = tl.cumsum(decay, 0)
+    R = _exclusive_suffix(decay)
+    return q_tile, k_tile, bk, tl.exp(L), tl.exp(R), L + R, key_bad
+
+
+@triton.jit
+def _of_pair(x, p: tl.constexpr):
+    """Sub-block ``p`` of a pair's tile ([16, 2, BK] -> [16, 1, BK])."""
+    return tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == p, x, 0.0), 1)[:, None, :]
+
+
+@triton.jit
+def _stacked(x, BK: tl.constexpr):
+    """A pair's [16, 2, BK] tile as [32, BK], row ``2 r + p`` (a product operand)."""
+    return tl.reshape(x, (32, BK))
+
+
+@triton.jit
+def _store_stacked_tiles(matrix, tiles, I0: tl.constexpr, J0: tl.constexpr, BOTH: tl.constexpr):
+    """Store the tiles of a [32, 32] product of stacked pairs (row ``2 r + p``: row r of sub-block
+    ``I0 + p``; column ``2 c + p'``: row c of sub-block ``J0 + p'``) into a chunk matrix: all
+    four (``BOTH``), or (I0 + 1, J0) alone (a pair against itself)."""
+    i = tl.arange(0, 32)
+    I = I0 + i[:, None] % 2
+    J = J0 + i[None, :] % 2
+    entries = _tile_index(I, J) * 256 + (i[:, None] // 2) * 16 + i[None, :] // 2
+    if BOTH:
+        keep = I >= 0
+    else:
+        keep = (I > I0) & (J == J0)
+    tl.store(matrix + entries, tiles.to(matrix.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, P_out, A_out, qd_out, kd_out, bkd_out, gamma_out,
+                               key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                               STAGES: tl.constexpr):
+    """``_off_diagonal_tiles`` on the sub-blocks in two pairs, (0, 1) and (2, 3), each a [16, 2,
+    BK] tile whose scans stay inside a warp, and with [32, BK] x [BK, 32] products of stacked
+    pairs that the two warps share: pair (2, 3) against pair (0, 1) gives the four tiles (2, 0),
+    (2, 1), (3, 0), (3, 1) at once (the decay of the sub-blocks between, t_1 for J = 0 and t_2 for
+    I = 3, is a factor of the right and of the left operand), and each pair against itself gives
+    (1, 0) and (3, 2) (its other three tiles unused). Stores the tiles of P and A (``P_out``,
+    ``A_out`` at the chunk's matrix) itself."""
+    zero = tl.zeros((32, 32), dtype=tl.float32)
+    A_near01, A_near23, A_far, P_near01, P_near23, P_far = zero, zero, zero, zero, zero, zero
+    key_bad = tl.full((16, 2, BK), 64, dtype=tl.int32)
+    qd_out += chunk * 64 * K
+    kd_out += chunk * 64 * K
+    bkd_out += chunk * 64 * K
+    p = tl.arange(0, 2)[None, :, None]
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < K
+        stored01 = _pair_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
+        stored23 = _pair_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
+        # offsets of the pairs' rows in the chunk's [64, K] rows of qd, kd and bkd (padded rows too)
+        out01, out_ok01, row01 = _pair_rows(0, 0, 0, K, cols, col_ok, 64)
+        out23, out_ok23, row23 = _pair_rows(0, 0, 1, K, cols, col_ok, 64)
+        q01, k01, bk01, eL01, eR01, s01, key_bad = _pair_sums(*stored01, row01, key_bad)
+        q23, k23, bk23, eL23, eR23, s23, key_bad = _pair_sums(*stored23, row23, key_bad)
+        t01 = tl.exp(s01)  # each sub-block's decay, [1, 2, BK]
+        t23 = tl.exp(s23)
+        t0_ = _of_pair(t01, 0)
+        t1_ = _of_pair(t01, 1)
+        t2_ = _of_pair(t23, 0)
+        t3_ = _of_pair(t23, 1)
+        right01 = k01 * eR01
+        right23 = k23 * eR23
+        left_q01 = q01 * eL01
+        left_bk01 = bk01 * eL01
+        left_q23 = q23 * eL23
+        left_bk23 = bk23 * eL23
+        # each pair against itself: (1, 0) and (3, 2)
+        right = tl.trans(_stacked(right01, BK))
+        A_near01 = tl.dot(_stacked(left_bk01, BK), right, A_near01, input_precision=DOT)
+        P_near01 = tl.dot(_stacked(left_q01, BK), right, P_near01, input_precision=DOT)
+        right = tl.trans(_stacked(right23, BK))
+        A_near23 = tl.dot(_stacked(left_bk23, BK), right, A_near23, input_precision=DOT)
+        P_near23 = tl.dot(_stacked(left_q23, BK), right, P_near23, input_precision=DOT)
+        # pair (2, 3) against pair (0, 1): t_1 on sub-block 0's rows, t_2 on sub-block 3's
+        right = tl.trans(_stacked(right01 * tl.where(p == 0, t1_, 1.0), BK))
+        from_2 = tl.where(p == 1, t2_, 1.0)
+        A_far = tl.dot(_stacked(left_bk23 * from_2, BK), right, A_far, input_precision=DOT)
+        P_far = tl.dot(_stacked(left_q23 * from_2, BK), right, P_far, input_precision=DOT)
+        # exp(G): the decay of the sub-blocks before; exp(G_last - G): of those after
+        into01 = tl.where(p == 0, 1.0, t0_)
+        into23 = tl.where(p == 0, t0_ * t1_, t0_ * t1_ * t2_)
+        out_of01 = tl.where(p == 0, t1_ * t2_ * t3_, t2_ * t3_)
+        out_of23 = tl.where(p == 0, t3_, 1.0)
+        tl.store(qd_out + out01, (left_q01 * into01).to(qd_out.dtype.element_ty), mask=out_ok01)
+        tl.store(qd_out + out23, (left_q23 * into23).to(qd_out.dtype.element_ty), mask=out_ok23)
+        tl.store(bkd_out + out01, (left_bk01 * into01).to(bkd_out.dtype.element_ty), mask=out_ok01)
+        tl.store(bkd_out + out23, (left_bk23 * into23).to(bkd_out.dtype.element_ty), mask=out_ok23)
+        tl.store(kd_out + out01, (right01 * out_of01).to(kd_out.dtype.element_ty), mask=out_ok01)
+        tl.store(kd_out + out23, (right23 * out_of23).to(kd_out.dtype.element_ty), mask=out_ok23)
+        r = tl.arange(0, 16)[:, None, None]
+        tl.store(gamma_out + chunk * K + r * 0 + cols[None, None, :], t0_ * t1_ * t2_ * t3_,
+                 mask=(r == 0) & col_ok[None, None, :])
+    tl.store(key_first_bad_out + chunk, tl.min(tl.min(tl.min(key_bad, 2), 1), 0))
+    _store_stacked_tiles(A_out, A_near01, 0, 0, False)
+    _store_stacked_tiles(A_out, A_near23, 2, 2, False)
+    _store_stacked_tiles(A_out, A_far, 2, 0, True)
+    _store_stacked_tiles(P_out, P_near01, 0, 0, False)
+    _store_stacked_tiles(P_out, P_near23, 2, 2, False)
+    _store_stacked_tiles(P_out, P_far, 2, 0, True)
 
 
 @triton.jit
@@ -809,7 +961,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRED=INTRA_FORWARD_PAIRED, num_warps=INTRA_FORWARD_WARPS,
+        num_stages=1,
         **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
