@@ -2,16 +2,18 @@
 
 Timing only, on a CUDA GPU: each form is ``gdn2/torch/triton/forward.py`` with one edit of its
 source (its results are wrong by design), loaded as a module of its own, and its
-``_intra_forward_kernel`` (the form on one sub-block at a time) launched alone on the same bf16 inputs as the operator would (B=8
+``_intra_forward_kernel`` launched alone on the same bf16 inputs as the operator would (B=8
 T=4096 H=16 K=128 by default, ``bench/triton_h200.py``'s first timing shape)::
 
     python3 bench/intra_forward_whatif.py
 
-Forms: ``baseline`` (the launch as it is), ``no_stores`` (no qd, kd, b k exp(G), gamma or
-first-bad store: what only feeds them goes too, the bad-row tracking among it), ``no_scans``
-(the span sums down each sub-block replaced by elementwise stand-ins), both, and ``no_P_dots``
-(P's off-diagonal products left out). Each edit asserts that it found its target, so that a
-changed kernel fails here instead of timing the baseline under another name.
+Forms: ``baseline`` (the key loop on one sub-block at a time), ``no_stores`` (no qd, kd, b k
+exp(G), gamma or first-bad store: what only feeds them goes too, the bad-row tracking among it),
+``no_scans`` (the span sums down each sub-block replaced by elementwise stand-ins), both, and
+``no_P_dots`` (P's off-diagonal products left out); ``paired`` (the key loop on pairs of
+sub-blocks, ``INTRA_FORWARD_PAIRED``) and it without its stores or its scans. Each edit asserts
+that it found its target, so that a changed kernel fails here instead of timing the baseline
+under another name.
 """
 
 from __future__ import annotations
@@ -27,31 +29,51 @@ import time
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gdn2", "torch", "triton", "forward.py")
 
 
-def _key_loop(source: str) -> tuple[int, int]:
-    start = source.index("def _off_diagonal_tiles(")
+def _function(source: str, name: str) -> tuple[int, int]:
+    """Where the source of the ``triton.jit`` function ``name`` starts and ends."""
+    start = source.index(f"def {name}(")
     return start, source.index("@triton.jit", start)
 
 
-def without_stores(source: str) -> str:
-    start, end = _key_loop(source)
-    loop = source[start:end]
-    lines = loop.split("\n")
-    kept = [line for line in lines if not re.search(r"_store_rows\((qd_out|bkd_out|kd_out)", line)]
-    assert len(lines) - len(kept) == 12, "the key loop's twelve stores of qd, b k exp(G) and kd"
-    loop = "\n".join(kept)
-    gamma = re.search(r"\n\s+tl\.store\(gamma_out[^\n]*\n[^\n]*mask=[^\n]*\)", loop)
-    first_bad = re.search(r"\n\s+tl\.store\(key_first_bad_out[^\n]*", loop)
+def _edit(source: str, name: str, edit) -> str:
+    start, end = _function(source, name)
+    return source[:start] + edit(source[start:end]) + source[end:]
+
+
+def _drop_stores(body: str, stores: str, count: int) -> str:
+    """``body`` without its stores to the buffers of the regular expression ``stores`` (``count``
+    lines), gamma's store (two lines) and the first bad row's."""
+    lines = body.split("\n")
+    kept = [line for line in lines if not re.search(stores, line)]
+    assert len(lines) - len(kept) == count, f"the key loop's {count} stores of qd, b k exp(G) and kd"
+    body = "\n".join(kept)
+    gamma = re.search(r"\n\s+tl\.store\(gamma_out[^\n]*\n[^\n]*mask=[^\n]*\)", body)
+    first_bad = re.search(r"\n\s+tl\.store\(key_first_bad_out[^\n]*", body)
     assert gamma and first_bad, "gamma's and the first bad row's stores"
-    loop = loop.replace(gamma.group(0), "").replace(first_bad.group(0), "")
-    return source[:start] + loop + source[end:]
+    return body.replace(gamma.group(0), "").replace(first_bad.group(0), "")
+
+
+def without_stores(source: str) -> str:
+    return _edit(source, "_off_diagonal_tiles", lambda body: _drop_stores(body, r"_store_rows\((qd_out|bkd_out|kd_out)", 12))
+
+
+def without_pair_stores(source: str) -> str:
+    return _edit(source, "_off_diagonal_tiles_paired",
+                 lambda body: _drop_stores(body, r"tl\.store\((qd_out|bkd_out|kd_out) \+ out", 6))
+
+
+def _drop_scans(body: str) -> str:
+    scans = "    L = tl.cumsum(decay, 0)\n    R = _exclusive_suffix(decay)"
+    assert body.count(scans) == 1, "the two scans"
+    return body.replace(scans, "    L = decay * 0.5\n    R = decay * 0.25")
 
 
 def without_scans(source: str) -> str:
-    start = source.index("def _sub_block(")
-    end = source.index("@triton.jit", start)
-    scans = "    L = tl.cumsum(decay, 0)\n    R = _exclusive_suffix(decay)"
-    assert source[start:end].count(scans) == 1, "the sub-block's two scans"
-    return source[:start] + source[start:end].replace(scans, "    L = decay * 0.5\n    R = decay * 0.25") + source[end:]
+    return _edit(source, "_sub_block", _drop_scans)
+
+
+def without_pair_scans(source: str) -> str:
+    return _edit(source, "_pair_sums", _drop_scans)
 
 
 def without_P_products(source: str) -> str:
@@ -61,9 +83,14 @@ def without_P_products(source: str) -> str:
     return "\n".join(kept)
 
 
-def forms(source: str) -> dict[str, str]:
-    return {"baseline": source, "no_stores": without_stores(source), "no_scans": without_scans(source),
-            "no_stores_no_scans": without_scans(without_stores(source)), "no_P_dots": without_P_products(source)}
+def forms(source: str) -> dict[str, tuple[str, bool]]:
+    """Each form's source and whether it runs the paired key loop (``INTRA_FORWARD_PAIRED``)."""
+    return {"baseline": (source, False), "no_stores": (without_stores(source), False),
+            "no_scans": (without_scans(source), False),
+            "no_stores_no_scans": (without_scans(without_stores(source)), False),
+            "no_P_dots": (without_P_products(source), False),
+            "paired": (source, True), "paired_no_stores": (without_pair_stores(source), True),
+            "paired_no_scans": (without_pair_scans(source), True)}
 
 
 def _load(name: str, text: str, folder: str):
@@ -100,7 +127,7 @@ def main() -> None:
     with open(SOURCE) as handle:
         source = handle.read()
     with tempfile.TemporaryDirectory() as folder:
-        for name, text in forms(source).items():
+        for name, (text, paired) in forms(source).items():
             start = time.time()
             module = _load(name, text, folder)
 
@@ -108,7 +135,7 @@ def main() -> None:
                 module._intra_forward_kernel[(N, B * H)](
                     q, k, g, b, P, A, qd, kd, bkd, gamma, first_bad, P, T, H, K, N,
                     BK=min(module.INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT="tf32",
-                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, PAIRED=False, num_warps=module.INTRA_FORWARD_WARPS,
+                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, PAIRED=paired, num_warps=module.INTRA_FORWARD_WARPS,
                     num_stages=1)
 
             launch()

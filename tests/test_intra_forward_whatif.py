@@ -20,17 +20,25 @@ def whatif():
 def test_every_form_edits_the_kernel(whatif):
     source = Path(whatif.SOURCE).read_text()
     forms = whatif.forms(source)
-    assert forms["baseline"] == source
-    for name, text in forms.items():
+    assert forms["baseline"] == (source, False) and forms["paired"] == (source, True)
+    for name, (text, paired) in forms.items():
         ast.parse(text)  # still Python
-        if name != "baseline":
+        assert paired == name.startswith("paired"), name
+        if name not in ("baseline", "paired"):
             assert text != source, name
-    start, end = whatif._key_loop(forms["no_stores"])
-    loop = forms["no_stores"][start:end]
+
+    def body(text, function):
+        start, end = whatif._function(text, function)
+        return text[start:end]
+
+    loop = body(forms["no_stores"][0], "_off_diagonal_tiles")
     assert "_store_rows(qd_out" not in loop and "tl.store(gamma_out" not in loop
-    start = forms["no_scans"].index("def _sub_block(")
-    assert "tl.cumsum(decay, 0)" not in forms["no_scans"][start:forms["no_scans"].index("@triton.jit", start)]
-    assert "P10 += tl.dot(" not in forms["no_P_dots"] and "A10 += tl.dot(" in forms["no_P_dots"]
+    loop = body(forms["paired_no_stores"][0], "_off_diagonal_tiles_paired")
+    assert "tl.store(qd_out" not in loop and "tl.store(gamma_out" not in loop and "tl.store(key_first_bad_out" not in loop
+    assert "tl.cumsum(decay, 0)" not in body(forms["no_scans"][0], "_sub_block")
+    assert "tl.cumsum(decay, 0)" not in body(forms["paired_no_scans"][0], "_pair_sums")
+    assert "tl.cumsum(decay, 0)" in body(forms["paired_no_scans"][0], "_sub_block")  # one form at a time
+    assert "P10 += tl.dot(" not in forms["no_P_dots"][0] and "A10 += tl.dot(" in forms["no_P_dots"][0]
 
 
 def test_an_edit_that_misses_fails(whatif):
