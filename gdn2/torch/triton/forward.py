@@ -677,9 +677,10 @@ def _pair_load(q, k, b, g, key_base, t0, pair: tl.constexpr, end, HK, cols, col_
 @triton.jit
 def _pair_sums(q_raw, k_raw, b_raw, g_raw, row, key_bad):
     """``_sub_block`` for a pair of sub-blocks ([16, 2, BK]): q, k, b k, ``exp(L)``, ``exp(R)``,
-    each sub-block's total log decay per column ([1, 2, BK]: the inclusive sum at its last row)
-    and ``key_bad`` updated with the pair's bad rows. The scans run down axis 0, which one warp
-    holds for each sub-block at two warps (no scan across warps)."""
+    each sub-block's total log decay ``L + R`` (rows agree, to rounding) and ``key_bad`` updated
+    with the pair's bad rows. The scans run down axis 0, which one warp holds for each sub-block
+    at two warps (no scan across warps; a reverse sum of g loaded one row on in place of the
+    scan of pairs: the same shuffles, and spills)."""
     q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
