@@ -5,28 +5,23 @@ with the Triton interpreter, the fused-kernel rows too."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 torch = pytest.importorskip("torch")
 
 from gdn2.torch import layer as layer_module  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "layer.py"
 
 
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)  # flash-linear-attention absent, even where installed
-    spec = importlib.util.spec_from_file_location("bench_layer", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("layer", "bench_layer")
 
 
 def run(bench, tmp_path, *extra):

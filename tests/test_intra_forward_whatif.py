@@ -2,19 +2,15 @@
 leaves Python source, so that no form times the baseline under another name."""
 
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 
 @pytest.fixture
 def whatif():
-    path = Path(__file__).resolve().parents[1] / "bench" / "intra_forward_whatif.py"
-    spec = importlib.util.spec_from_file_location("intra_forward_whatif", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("intra_forward_whatif")
 
 
 def test_every_form_edits_the_kernel(whatif):

@@ -5,7 +5,6 @@ compiled)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("triton")
 
@@ -28,10 +28,7 @@ def _compiled_mode_env() -> dict:
 
 
 def _tool_module():
-    spec = importlib.util.spec_from_file_location("kernel_resources_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_resources", "kernel_resources_under_test")
 
 
 # A made-up disassembly: a backward branch closes a loop of three instructions; the branch to

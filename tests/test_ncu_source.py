@@ -1,9 +1,7 @@
 """bench/ncu_source.py on a small file in the layout of Nsight Compute's SASS source page."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_scripts import load_bench
 
 HEADER = ('"Address","Source","Instructions Executed","Warp Stall Sampling (All Samples)",'
           '"Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_long_sb (Not Issued)","stall_wait"')
@@ -18,11 +16,7 @@ ROWS = [
 
 @pytest.fixture
 def ncu_source():
-    path = Path(__file__).resolve().parents[1] / "bench" / "ncu_source.py"
-    spec = importlib.util.spec_from_file_location("ncu_source", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("ncu_source")
 
 
 def test_report_of_a_small_source_page(ncu_source, tmp_path):

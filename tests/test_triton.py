@@ -530,8 +530,7 @@ def test_diagonal_launch(key_block, packed, seed, interpreter, monkeypatch):
     k[0, 9, 1, 4] = np.inf
     k[B - 1, 35, 0, 0] = np.nan
     b[0, 12, 0, 11] = -np.inf
-    if packed:
-        lengths = [37, 80]
+    if packed:  # sequences of 37 and 80 tokens
         chunks = [(0, 0, 37), (0, 37, 64), (0, 101, 16)]
         table = torch.tensor([[first, length] for _, first, length in chunks], dtype=torch.int32)
     else:
@@ -643,13 +642,9 @@ def _intra_forward_filled(packed, dtype, seed):
 def test_precision_study_default_is_the_operators():
     """bench/saved_precision.py names its default set literally (its workers import the operator
     only after setting TRITON_INTERPRET); it must be the operator's."""
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import load_bench
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "saved_precision.py"
-    spec = importlib.util.spec_from_file_location("saved_precision", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_bench("saved_precision")
     assert study.DEFAULT == kernel.SAVED_IN_BFLOAT16
     assert study.CONFIGS["default"] == dict(SAVED_IN_BFLOAT16=kernel.SAVED_IN_BFLOAT16)
 
