@@ -69,6 +69,8 @@ VARIANTS: list[dict] = [
     # the intra-forward on pairs of sub-blocks (scans inside a warp), then also b k exp(G) in bfloat16
     dict(INTRA_FORWARD_PAIRED=True),
     dict(INTRA_FORWARD_PAIRED=True, DECAYED_ERASE_KEYS_IN_WK=True),
+    # the intra-forward's key blocks in two halves side by side (scans inside a warp)
+    dict(INTRA_FORWARD_HALVES=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

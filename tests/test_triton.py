@@ -679,37 +679,43 @@ def test_register_caps_name_launches():
     assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())
 
 
+# The intra-forward's other key-loop forms, each a launch constant (bench/triton_h200.py VARIANTS)
+INTRA_FORWARD_FORMS = ["INTRA_FORWARD_PAIRED", "INTRA_FORWARD_HALVES"]
+
+
 @kernel_only
+@pytest.mark.parametrize("form", INTRA_FORWARD_FORMS)
 @pytest.mark.parametrize("shape", [(2, 130, 2, 40, 24, (-20.0, 0.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))],
                          ids=["K40-two-chunks", "K128"])
-def test_paired_intra_forward_matches_spec(shape, seed, interpreter, monkeypatch):
-    """The intra-forward on pairs of sub-blocks (``INTRA_FORWARD_PAIRED``) against the float64
-    spec: output, final state and every gradient, K not a multiple of its key block."""
+def test_intra_forward_form_matches_spec(form, shape, seed, interpreter, monkeypatch):
+    """The intra-forward on pairs of sub-blocks (``INTRA_FORWARD_PAIRED``) or on key blocks in
+    halves (``INTRA_FORWARD_HALVES``) against the float64 spec: output, final state and every
+    gradient, K not a multiple of its key block."""
     from gdn2.torch.triton import forward
 
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED", True)
+    monkeypatch.setattr(forward, form, True)
     B, T, H, K, V, decay = shape
     _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
 
 
+@pytest.mark.parametrize("form", INTRA_FORWARD_FORMS)
 @pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
                          ids=["batch-float32", "packed-bfloat16"])
-def test_paired_intra_forward_matches_the_sub_block_form(packed, dtype, seed, interpreter, monkeypatch):
-    """Every buffer the in-chunk launches fill, with the intra-forward on pairs of sub-blocks and
-    on one sub-block at a time, on inputs with hard resets, a NaN in g and non-finite k and b
+def test_intra_forward_form_matches_the_sub_block_form(form, packed, dtype, seed, interpreter, monkeypatch):
+    """Every buffer the in-chunk launches fill, with the intra-forward in another form and in the
+    default one, on inputs with hard resets, a NaN in g and non-finite k and b
     (``_intra_forward_filled``): equal to float32 rounding (bfloat16 buffers to one rounding),
     and the same first bad rows."""
     from gdn2.torch.triton import forward
 
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED", False)
     single, single_bad = _intra_forward_filled(packed, dtype, seed)
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED", True)
-    paired, paired_bad = _intra_forward_filled(packed, dtype, seed)
-    assert torch.equal(single_bad, paired_bad)
+    monkeypatch.setattr(forward, form, True)
+    other, other_bad = _intra_forward_filled(packed, dtype, seed)
+    assert torch.equal(single_bad, other_bad)
     for name, expected in single.items():
-        got = paired[name].double()
+        got = other[name].double()
         expected = expected.double()
         assert torch.isfinite(got).all(), name
-        tolerance = 1e-2 if paired[name].dtype == torch.bfloat16 else 1e-5
+        tolerance = 1e-2 if other[name].dtype == torch.bfloat16 else 1e-5
         error = ((got - expected).abs().max() / expected.abs().max()).item()
         assert error <= tolerance, (name, error, seed)

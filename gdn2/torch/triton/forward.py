@@ -62,6 +62,9 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # The intra-forward on its sub-blocks in two pairs (_off_diagonal_tiles_paired): scans inside a
 # warp, products of stacked pairs shared by the warps.
 INTRA_FORWARD_PAIRED = False
+# The intra-forward's key blocks as two halves side by side ([16, 2, BK / 2] tiles: one warp a
+# half, so that the scans down each sub-block stay inside a warp), joined for the products.
+INTRA_FORWARD_HALVES = False
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -219,13 +222,14 @@ def _store_tile(matrix, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
+def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, rows, cols, col_ok):
     """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
-    q, k, b and g (``_sub_block``'s input)."""
-    r = tl.arange(0, 16)
-    t = t0 + I * 16 + r
-    ok = (t < T)[:, None] & col_ok[None, :]
-    offsets = key_base + t[:, None] * HK + cols[None, :]
+    q, k, b and g (``_sub_block``'s input). ``rows`` (0..15), ``cols`` and ``col_ok`` come shaped to
+    broadcast into the tile: [16, 1] and [1, BK], or [16, 1, 1] and [1, 2, BK / 2] for the block
+    in two halves side by side (``_key_block``)."""
+    t = t0 + I * 16 + rows
+    ok = (t < T) & col_ok
+    offsets = key_base + t * HK + cols
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
@@ -233,16 +237,37 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_
 
 
 @triton.jit
-def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
+def _chunk_load(q, k, b, g, key_base, t0, T, HK, rows, cols, col_ok):
     """``_sub_block_load`` of all four sub-blocks, issued together so that their latencies overlap."""
-    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok))
+    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, rows, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, rows, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, rows, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, rows, cols, col_ok))
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
+def _key_block(k0, BK: tl.constexpr, HALVES: tl.constexpr):
+    """Row indices (0..15), key columns and their mask for the key block at ``k0``, shaped to
+    broadcast: [16, 1] and [1, BK]; with ``HALVES``, [16, 1, 1] and [1, 2, BK / 2], the block's
+    two halves side by side (Triton then gives each of two warps a half, so that scans down the
+    rows stay inside a warp)."""
+    if HALVES:
+        rows = tl.arange(0, 16)[:, None, None]
+        cols = (k0 + tl.arange(0, 2)[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])[None, :, :]
+    else:
+        rows = tl.arange(0, 16)[:, None]
+        cols = (k0 + tl.arange(0, BK))[None, :]
+    return rows, cols
+
+
+@triton.jit
+def _operand(x, BK: tl.constexpr):
+    """A sub-block's tile as a [16, BK] product operand (a block in halves joined again)."""
+    return tl.reshape(x, (16, BK))
+
+
+@triton.jit
+def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, rows):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
@@ -252,13 +277,12 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
     over the sub-blocks M seen whose k or b at row r is non-finite or whose g is NaN or +inf; 64
     where there is none; reduced once after the key loop).
     """
-    r = tl.arange(0, 16)
     q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
     g_tile = g_raw.to(tl.float32)
     bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
+    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + rows, 64))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
     decay = _decay(g_tile)
@@ -284,12 +308,11 @@ def _exclusive_suffix(x):
 
 
 @triton.jit
-def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
-    """Store a [16, BK] tile at rows 16 I of a chunk's [64, K] rows (``base`` at the chunk's first
-    row), in the buffer's dtype; padded rows too (their tile is zero)."""
-    r = tl.arange(0, 16)
-    tl.store(base + (I * 16 + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
-             mask=(r >= 0)[:, None] & col_ok[None, :])
+def _store_rows(base, I: tl.constexpr, K, rows, cols, col_ok, tile):
+    """Store a sub-block's tile (``_key_block``'s shapes) at rows 16 I of a chunk's [64, K] rows
+    (``base`` at the chunk's first row), in the buffer's dtype; padded rows too (their tile is
+    zero)."""
+    tl.store(base + (I * 16 + rows) * K + cols, tile.to(base.dtype.element_ty), mask=(rows >= 0) & col_ok)
 
 
 @triton.jit
@@ -505,6 +528,7 @@ def _intra_forward_kernel(
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, PAIRED: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -531,7 +555,7 @@ def _intra_forward_kernel(
     else:
         A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
             q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-            chunk, K, BK, DOT, STAGES)
+            chunk, K, BK, DOT, STAGES, HALVES)
         _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
         _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
@@ -564,9 +588,11 @@ def _inverse_kernel(
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
+                        HALVES: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
-    qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
+    qd, kd, bkd, gamma and the key side's first bad row of the chunk. With ``HALVES``, each key
+    block's tiles are [16, 2, BK / 2] (``_key_block``), joined as [16, BK] for the products."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
     A20 = tl.zeros((16, 16), dtype=tl.float32)
     A21 = tl.zeros((16, 16), dtype=tl.float32)
@@ -579,7 +605,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    key_bad = tl.full((16, BK), 64, dtype=tl.int32)
+    rows, cols = _key_block(0, BK, HALVES)
+    key_bad = (rows + cols) * 0 + 64  # elementwise, in the tiles' shape
     qd_out += chunk * 64 * K
     kd_out += chunk * 64 * K
     bkd_out += chunk * 64 * K
@@ -587,69 +614,67 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
+        rows, cols = _key_block(k0, BK, HALVES)
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
-        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
+        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, rows, cols, col_ok)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, rows)
         left = tl.exp(L0)  # exp(G) on sub-block 0
-        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
-        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
+        _store_rows(qd_out, 0, K, rows, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, K, rows, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad, rows)
         left = tl.exp(L1)
-        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
-        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        A10 += tl.dot(_operand(bk1 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
+        P10 += tl.dot(_operand(q1 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
-        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
-        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
+        _store_rows(qd_out, 1, K, rows, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 1, K, rows, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad, rows)
         left = tl.exp(L2)
-        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
-        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
-        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
-        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        A20 += tl.dot(_operand(bk2 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
+        P20 += tl.dot(_operand(q2 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
+        A21 += tl.dot(_operand(bk2 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
+        P21 += tl.dot(_operand(q2 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
-        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
-        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
+        _store_rows(qd_out, 2, K, rows, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 2, K, rows, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad, rows)
         left = tl.exp(L3)
-        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
-        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
-        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
-        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
-        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
-        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
+        A30 += tl.dot(_operand(bk3 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
+        P30 += tl.dot(_operand(q3 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
+        A31 += tl.dot(_operand(bk3 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
+        P31 += tl.dot(_operand(q3 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
+        A32 += tl.dot(_operand(bk3 * left, BK), tl.trans(_operand(right2, BK)), input_precision=DOT)
+        P32 += tl.dot(_operand(q3 * left, BK), tl.trans(_operand(right2, BK)), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
-        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
-        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
+        _store_rows(qd_out, 3, K, rows, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 3, K, rows, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
-        r = tl.arange(0, 16)
-        tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
-                 mask=(r == 0)[:, None] & col_ok[None, :])
+        tl.store(gamma_out + chunk * K + rows * 0 + cols, before * decay3, mask=(rows == 0) & col_ok)
         # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
-        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
-        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
+        _store_rows(kd_out, 0, K, rows, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 1, K, rows, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 2, K, rows, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 3, K, rows, cols, col_ok, k3 * tl.exp(R3))
 
-    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
+    tl.store(key_first_bad_out + chunk, tl.min(tl.reshape(key_bad, (16 * BK,)), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
@@ -751,7 +776,7 @@ def _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, P_out, A_out, 
         out23, out_ok23, row23 = _pair_rows(0, 0, 1, K, cols, col_ok, 64)
         q01, k01, bk01, eL01, eR01, s01, key_bad = _pair_sums(*stored01, row01, key_bad)
         q23, k23, bk23, eL23, eR23, s23, key_bad = _pair_sums(*stored23, row23, key_bad)
-        t01 = tl.exp(s01)  # each sub-block's decay, [1, 2, BK]
+        t01 = tl.exp(s01)  # each sub-block's decay (its rows agree, to rounding)
         t23 = tl.exp(s23)
         t0_ = _of_pair(t01, 0)
         t1_ = _of_pair(t01, 1)
@@ -962,7 +987,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRED=INTRA_FORWARD_PAIRED, num_warps=INTRA_FORWARD_WARPS,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRED=INTRA_FORWARD_PAIRED, HALVES=INTRA_FORWARD_HALVES,
+        num_warps=INTRA_FORWARD_WARPS,
         num_stages=1,
         **register_cap("intra_forward"),
     )
