@@ -6,12 +6,14 @@ source (its results are wrong by design), loaded as a module of its own, and its
 T=4096 H=16 K=128 by default, ``bench/triton_h200.py``'s first timing shape)::
 
     python3 bench/intra_forward_whatif.py
+    TRITON_INTERPRET=1 python3 bench/intra_forward_whatif.py --device cpu --shape 1,70,1,16   # each form launches (untimed)
 
 Forms: ``baseline`` (the key loop on one sub-block at a time), ``no_stores`` (no qd, kd, b k
 exp(G), gamma or first-bad store: what only feeds them goes too, the bad-row tracking among it),
 ``no_scans`` (the span sums down each sub-block replaced by elementwise stand-ins), both, and
 ``no_P_dots`` (P's off-diagonal products left out); ``paired`` (the key loop on pairs of
-sub-blocks, ``INTRA_FORWARD_PAIRED``) and it without its stores or its scans. Each edit asserts
+sub-blocks, ``INTRA_FORWARD_PAIRED``) and it without its stores or its scans; ``halves`` (key
+blocks in halves, ``INTRA_FORWARD_HALVES``) and it without its stores. Each edit asserts
 that it found its target, so that a changed kernel fails here instead of timing the baseline
 under another name.
 """
@@ -42,12 +44,12 @@ def _edit(source: str, name: str, edit) -> str:
 
 def _drop_stores(body: str, stores: str, count: int) -> str:
     """``body`` without its stores to the buffers of the regular expression ``stores`` (``count``
-    lines), gamma's store (two lines) and the first bad row's."""
+    lines), gamma's store and the first bad row's."""
     lines = body.split("\n")
     kept = [line for line in lines if not re.search(stores, line)]
     assert len(lines) - len(kept) == count, f"the key loop's {count} stores of qd, b k exp(G) and kd"
     body = "\n".join(kept)
-    gamma = re.search(r"\n\s+tl\.store\(gamma_out[^\n]*\n[^\n]*mask=[^\n]*\)", body)
+    gamma = re.search(r"\n[ \t]+tl\.store\(gamma_out[^\n]*(?:\n[ \t]+mask=[^\n]*)?", body)  # one line or two
     first_bad = re.search(r"\n\s+tl\.store\(key_first_bad_out[^\n]*", body)
     assert gamma and first_bad, "gamma's and the first bad row's stores"
     return body.replace(gamma.group(0), "").replace(first_bad.group(0), "")
@@ -83,14 +85,16 @@ def without_P_products(source: str) -> str:
     return "\n".join(kept)
 
 
-def forms(source: str) -> dict[str, tuple[str, bool]]:
-    """Each form's source and whether it runs the paired key loop (``INTRA_FORWARD_PAIRED``)."""
-    return {"baseline": (source, False), "no_stores": (without_stores(source), False),
-            "no_scans": (without_scans(source), False),
-            "no_stores_no_scans": (without_scans(without_stores(source)), False),
-            "no_P_dots": (without_P_products(source), False),
-            "paired": (source, True), "paired_no_stores": (without_pair_stores(source), True),
-            "paired_no_scans": (without_pair_scans(source), True)}
+def forms(source: str) -> dict[str, tuple[str, dict]]:
+    """Each form's source and the key-loop form it runs (the launch's ``PAIRED`` and ``HALVES``)."""
+    plain, paired, halves = dict(PAIRED=False, HALVES=False), dict(PAIRED=True, HALVES=False), dict(PAIRED=False, HALVES=True)
+    return {"baseline": (source, plain), "no_stores": (without_stores(source), plain),
+            "no_scans": (without_scans(source), plain),
+            "no_stores_no_scans": (without_scans(without_stores(source)), plain),
+            "no_P_dots": (without_P_products(source), plain),
+            "paired": (source, paired), "paired_no_stores": (without_pair_stores(source), paired),
+            "paired_no_scans": (without_pair_scans(source), paired),
+            "halves": (source, halves), "halves_no_stores": (without_stores(source), halves)}
 
 
 def _load(name: str, text: str, folder: str):
@@ -104,30 +108,34 @@ def _load(name: str, text: str, folder: str):
     return module
 
 
-def main() -> None:
+def main(argv=None) -> dict[str, float | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8,4096,16,128", help="B,T,H,K")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cuda",
+                        help="cuda, or cpu to run each form once under the Triton interpreter (TRITON_INTERPRET=1), untimed")
+    args = parser.parse_args(argv)
     import torch
     import triton
 
     B, T, H, K = (int(x) for x in args.shape.split(","))
     N = -(-T // 64)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).bfloat16()
+    device = args.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).bfloat16()
             for _ in range(2))
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)).bfloat16()
-    b = torch.rand(B, T, H, K, device="cuda", generator=gen).bfloat16()
-    P = torch.empty(B, H, N, 10, 16, 16, device="cuda")
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)).bfloat16()
+    b = torch.rand(B, T, H, K, device=device, generator=gen).bfloat16()
+    P = torch.empty(B, H, N, 10, 16, 16, device=device)
     A = torch.empty_like(P)
-    qd, kd = (torch.empty(B, H, N * 64, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    bkd = torch.empty(B, H, N * 64, K, device="cuda")
-    gamma = torch.empty(B, H, N, K, device="cuda")
-    first_bad = torch.empty(B, H, N, dtype=torch.int32, device="cuda")
+    qd, kd = (torch.empty(B, H, N * 64, K, device=device, dtype=torch.bfloat16) for _ in range(2))
+    bkd = torch.empty(B, H, N * 64, K, device=device)
+    gamma = torch.empty(B, H, N, K, device=device)
+    first_bad = torch.empty(B, H, N, dtype=torch.int32, device=device)
+    times = {}
     with open(SOURCE) as handle:
         source = handle.read()
     with tempfile.TemporaryDirectory() as folder:
-        for name, (text, paired) in forms(source).items():
+        for name, (text, key_loop) in forms(source).items():
             start = time.time()
             module = _load(name, text, folder)
 
@@ -135,13 +143,18 @@ def main() -> None:
                 module._intra_forward_kernel[(N, B * H)](
                     q, k, g, b, P, A, qd, kd, bkd, gamma, first_bad, P, T, H, K, N,
                     BK=min(module.INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT="tf32",
-                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, PAIRED=paired, HALVES=False, num_warps=module.INTRA_FORWARD_WARPS,
+                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, **key_loop, num_warps=module.INTRA_FORWARD_WARPS,
                     num_stages=1)
 
             launch()
+            if device == "cpu":
+                times[name] = None
+                print(f"intra_forward {name}: ran under the interpreter ({time.time() - start:.0f} s)", flush=True)
+                continue
             torch.cuda.synchronize()
-            ms = triton.testing.do_bench(launch, warmup=50, rep=300, return_mode="median")
-            print(f"intra_forward {name}: {ms:.4f} ms ({time.time() - start:.0f} s)", flush=True)
+            times[name] = triton.testing.do_bench(launch, warmup=50, rep=300, return_mode="median")
+            print(f"intra_forward {name}: {times[name]:.4f} ms ({time.time() - start:.0f} s)", flush=True)
+    return times
 
 
 if __name__ == "__main__":

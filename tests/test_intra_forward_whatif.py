@@ -16,11 +16,11 @@ def whatif():
 def test_every_form_edits_the_kernel(whatif):
     source = Path(whatif.SOURCE).read_text()
     forms = whatif.forms(source)
-    assert forms["baseline"] == (source, False) and forms["paired"] == (source, True)
-    for name, (text, paired) in forms.items():
+    assert forms["baseline"][0] == forms["paired"][0] == forms["halves"][0] == source
+    for name, (text, key_loop) in forms.items():
         ast.parse(text)  # still Python
-        assert paired == name.startswith("paired"), name
-        if name not in ("baseline", "paired"):
+        assert key_loop == dict(PAIRED=name.startswith("paired"), HALVES=name.startswith("halves")), name
+        if name not in ("baseline", "paired", "halves"):
             assert text != source, name
 
     def body(text, function):
@@ -42,3 +42,11 @@ def test_an_edit_that_misses_fails(whatif):
         whatif.without_scans("def _sub_block():\n    return 0\n@triton.jit\n")
     with pytest.raises(AssertionError):
         whatif.without_P_products("x = 1\n")
+
+
+def test_every_form_launches_under_the_interpreter(whatif, monkeypatch):
+    """Each form's launch as the tool makes it (its arguments and launch constants), once, on a
+    small shape: a form that could not launch would fail here, not on the GPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    times = whatif.main(["--device", "cpu", "--shape", "1,70,1,16"])
+    assert set(times) == set(whatif.forms(Path(whatif.SOURCE).read_text()))
