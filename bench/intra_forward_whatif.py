@@ -13,9 +13,9 @@ exp(G), gamma or first-bad store: what only feeds them goes too, the bad-row tra
 ``no_scans`` (the span sums down each sub-block replaced by elementwise stand-ins), both, and
 ``no_P_dots`` (P's off-diagonal products left out); ``paired`` (the key loop on pairs of
 sub-blocks, ``INTRA_FORWARD_PAIRED``) and it without its stores or its scans; ``halves`` (key
-blocks in halves, ``INTRA_FORWARD_HALVES``) and it without its stores. Each edit asserts
-that it found its target, so that a changed kernel fails here instead of timing the baseline
-under another name.
+blocks in halves, ``INTRA_FORWARD_HALVES``) and it without its stores or its scans. Each edit
+asserts that it found its target, so that a changed kernel fails here instead of timing the
+baseline under another name.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def forms(source: str) -> dict[str, tuple[str, dict]]:
             "no_P_dots": (without_P_products(source), plain),
             "paired": (source, paired), "paired_no_stores": (without_pair_stores(source), paired),
             "paired_no_scans": (without_pair_scans(source), paired),
-            "halves": (source, halves), "halves_no_stores": (without_stores(source), halves)}
+            "halves": (source, halves), "halves_no_stores": (without_stores(source), halves),
+            "halves_no_scans": (without_scans(source), halves)}
 
 
 def _load(name: str, text: str, folder: str):
