@@ -29,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 import warnings
 
