@@ -247,10 +247,10 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, rows, cols, col_ok):
 
 @triton.jit
 def _key_block(k0, BK: tl.constexpr, HALVES: tl.constexpr):
-    """Row indices (0..15), key columns and their mask for the key block at ``k0``, shaped to
-    broadcast: [16, 1] and [1, BK]; with ``HALVES``, [16, 1, 1] and [1, 2, BK / 2], the block's
-    two halves side by side (Triton then gives each of two warps a half, so that scans down the
-    rows stay inside a warp)."""
+    """Row indices (0..15) and key columns of the key block at ``k0``, shaped to broadcast:
+    [16, 1] and [1, BK]; with ``HALVES``, [16, 1, 1] and [1, 2, BK / 2], the block's two halves
+    side by side (Triton then gives each of two warps a half, so that scans down the rows stay
+    inside a warp)."""
     if HALVES:
         rows = tl.arange(0, 16)[:, None, None]
         cols = (k0 + tl.arange(0, 2)[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])[None, :, :]
@@ -679,45 +679,20 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
 
 @triton.jit
-def _pair_rows(base, t0, pair: tl.constexpr, HK, cols, col_ok, end):
-    """Pointers and mask of sub-blocks ``2 pair`` and ``2 pair + 1`` of a chunk side by side as
-    [16, 2, BK] (row r, sub-block of the pair, column); also their rows in the chunk."""
-    r = tl.arange(0, 16)[:, None, None]
-    p = tl.arange(0, 2)[None, :, None]
-    row = 32 * pair + 16 * p + r
-    t = t0 + row
-    return base + t * HK + cols[None, None, :], (t < end) & col_ok[None, None, :], row
+def _pair_rows(pair: tl.constexpr):
+    """Rows in the chunk of sub-blocks ``2 pair`` and ``2 pair + 1`` side by side, [16, 2, 1] (row
+    r, sub-block of the pair), to broadcast against key columns [1, 1, BK]: the row shapes of
+    ``_sub_block_load``, ``_sub_block`` and ``_store_rows`` with I = 0."""
+    return 32 * pair + 16 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 16)[:, None, None]
 
 
 @triton.jit
-def _pair_load(q, k, b, g, key_base, t0, pair: tl.constexpr, end, HK, cols, col_ok):
-    """q, k, b and g of a pair of sub-blocks as stored ([16, 2, BK], ``_pair_rows``)."""
-    offsets, ok, _ = _pair_rows(key_base, t0, pair, HK, cols, col_ok, end)
-    k_raw = tl.load(k + offsets, mask=ok, other=0.0)
-    q_raw = tl.load(q + offsets, mask=ok, other=0.0)
-    b_raw = tl.load(b + offsets, mask=ok, other=0.0)
-    return q_raw, k_raw, b_raw, tl.load(g + offsets, mask=ok, other=0.0)
-
-
-@triton.jit
-def _pair_sums(q_raw, k_raw, b_raw, g_raw, row, key_bad):
-    """``_sub_block`` for a pair of sub-blocks ([16, 2, BK]): q, k, b k, ``exp(L)``, ``exp(R)``,
-    each sub-block's total log decay ``L + R`` (rows agree, to rounding) and ``key_bad`` updated
-    with the pair's bad rows. The scans run down axis 0, which one warp holds for each sub-block
-    at two warps (no scan across warps; a reverse sum of g loaded one row on in place of the
-    scan of pairs: the same shuffles, and spills)."""
-    q_tile = q_raw.to(tl.float32)
-    k_raw = k_raw.to(tl.float32)
-    b_raw = b_raw.to(tl.float32)
-    g_tile = g_raw.to(tl.float32)
-    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad = tl.minimum(key_bad, tl.where(bad, row, 64))
-    k_tile = _finite(k_raw)
-    bk = _finite(b_raw) * k_tile
-    decay = _decay(g_tile)
-    L = tl.cumsum(decay, 0)
-    R = _exclusive_suffix(decay)
-    return q_tile, k_tile, bk, tl.exp(L), tl.exp(R), L + R, key_bad
+def _pair_sums(stored, rows, key_bad):
+    """``_sub_block`` of a pair of sub-blocks (``_pair_rows``): q, k, b k, ``exp(L)``, ``exp(R)``,
+    each sub-block's total log decay ``L + R`` (rows agree, to rounding) and ``key_bad``. The scans
+    run down axis 0, which one warp holds for each sub-block at two warps (no scan across warps)."""
+    q, k, bk, L, R, total, key_bad = _sub_block(*stored, 0, key_bad, rows)
+    return q, k, bk, tl.exp(L), tl.exp(R), total, key_bad
 
 
 @triton.jit
@@ -767,15 +742,14 @@ def _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, P_out, A_out, 
     bkd_out += chunk * 64 * K
     p = tl.arange(0, 2)[None, :, None]
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BK)
+        rows01 = _pair_rows(0)
+        rows23 = _pair_rows(1)
+        cols = (k0 + tl.arange(0, BK))[None, None, :]
         col_ok = cols < K
-        stored01 = _pair_load(q, k, b, g, key_base, t0, 0, end, HK, cols, col_ok)
-        stored23 = _pair_load(q, k, b, g, key_base, t0, 1, end, HK, cols, col_ok)
-        # offsets of the pairs' rows in the chunk's [64, K] rows of qd, kd and bkd (padded rows too)
-        out01, out_ok01, row01 = _pair_rows(0, 0, 0, K, cols, col_ok, 64)
-        out23, out_ok23, row23 = _pair_rows(0, 0, 1, K, cols, col_ok, 64)
-        q01, k01, bk01, eL01, eR01, s01, key_bad = _pair_sums(*stored01, row01, key_bad)
-        q23, k23, bk23, eL23, eR23, s23, key_bad = _pair_sums(*stored23, row23, key_bad)
+        stored01 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, rows01, cols, col_ok)
+        stored23 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, rows23, cols, col_ok)
+        q01, k01, bk01, eL01, eR01, s01, key_bad = _pair_sums(stored01, rows01, key_bad)
+        q23, k23, bk23, eL23, eR23, s23, key_bad = _pair_sums(stored23, rows23, key_bad)
         t01 = tl.exp(s01)  # each sub-block's decay (its rows agree, to rounding)
         t23 = tl.exp(s23)
         t0_ = _of_pair(t01, 0)
@@ -805,16 +779,14 @@ def _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, P_out, A_out, 
         into23 = tl.where(p == 0, t0_ * t1_, t0_ * t1_ * t2_)
         out_of01 = tl.where(p == 0, t1_ * t2_ * t3_, t2_ * t3_)
         out_of23 = tl.where(p == 0, t3_, 1.0)
-        tl.store(qd_out + out01, (left_q01 * into01).to(qd_out.dtype.element_ty), mask=out_ok01)
-        tl.store(qd_out + out23, (left_q23 * into23).to(qd_out.dtype.element_ty), mask=out_ok23)
-        tl.store(bkd_out + out01, (left_bk01 * into01).to(bkd_out.dtype.element_ty), mask=out_ok01)
-        tl.store(bkd_out + out23, (left_bk23 * into23).to(bkd_out.dtype.element_ty), mask=out_ok23)
-        tl.store(kd_out + out01, (right01 * out_of01).to(kd_out.dtype.element_ty), mask=out_ok01)
-        tl.store(kd_out + out23, (right23 * out_of23).to(kd_out.dtype.element_ty), mask=out_ok23)
-        r = tl.arange(0, 16)[:, None, None]
-        tl.store(gamma_out + chunk * K + r * 0 + cols[None, None, :], t0_ * t1_ * t2_ * t3_,
-                 mask=(r == 0) & col_ok[None, None, :])
-    tl.store(key_first_bad_out + chunk, tl.min(tl.min(tl.min(key_bad, 2), 1), 0))
+        _store_rows(qd_out, 0, K, rows01, cols, col_ok, left_q01 * into01)
+        _store_rows(qd_out, 0, K, rows23, cols, col_ok, left_q23 * into23)
+        _store_rows(bkd_out, 0, K, rows01, cols, col_ok, left_bk01 * into01)
+        _store_rows(bkd_out, 0, K, rows23, cols, col_ok, left_bk23 * into23)
+        _store_rows(kd_out, 0, K, rows01, cols, col_ok, right01 * out_of01)
+        _store_rows(kd_out, 0, K, rows23, cols, col_ok, right23 * out_of23)
+        tl.store(gamma_out + chunk * K + rows01 * 0 + cols, t0_ * t1_ * t2_ * t3_, mask=(rows01 == 0) & col_ok)
+    tl.store(key_first_bad_out + chunk, tl.min(tl.reshape(key_bad, (32 * BK,)), 0))
     _store_stacked_tiles(A_out, A_near01, 0, 0, False)
     _store_stacked_tiles(A_out, A_near23, 2, 2, False)
     _store_stacked_tiles(A_out, A_far, 2, 0, True)
@@ -988,9 +960,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRED=INTRA_FORWARD_PAIRED, HALVES=INTRA_FORWARD_HALVES,
-        num_warps=INTRA_FORWARD_WARPS,
-        num_stages=1,
-        **register_cap("intra_forward"),
+        num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
