@@ -11,9 +11,8 @@ T=4096 H=16 K=128 by default, ``bench/triton_h200.py``'s first timing shape)::
 Forms: ``baseline`` (the key loop on one sub-block at a time), ``no_stores`` (no qd, kd, b k
 exp(G), gamma or first-bad store: what only feeds them goes too, the bad-row tracking among it),
 ``no_scans`` (the span sums down each sub-block replaced by elementwise stand-ins), both, and
-``no_P_dots`` (P's off-diagonal products left out); ``paired`` (the key loop on pairs of
-sub-blocks, ``INTRA_FORWARD_PAIRED``) and it without its stores or its scans; ``halves`` (key
-blocks in halves, ``INTRA_FORWARD_HALVES``) and it without its stores or its scans. Each edit
+``no_P_dots`` (P's off-diagonal products left out), ``no_bad_rows`` (no tracking of the first
+bad key-side row; its store kept) and ``no_bkd_store`` (b k exp(G) not stored). Each edit
 asserts that it found its target, so that a changed kernel fails here instead of timing the
 baseline under another name.
 """
@@ -42,26 +41,34 @@ def _edit(source: str, name: str, edit) -> str:
     return source[:start] + edit(source[start:end]) + source[end:]
 
 
-def _drop_stores(body: str, stores: str, count: int) -> str:
-    """``body`` without its stores to the buffers of the regular expression ``stores`` (``count``
-    lines), gamma's store and the first bad row's."""
-    lines = body.split("\n")
-    kept = [line for line in lines if not re.search(stores, line)]
-    assert len(lines) - len(kept) == count, f"the key loop's {count} stores of qd, b k exp(G) and kd"
-    body = "\n".join(kept)
-    gamma = re.search(r"\n[ \t]+tl\.store\(gamma_out[^\n]*(?:\n[ \t]+mask=[^\n]*)?", body)  # one line or two
-    first_bad = re.search(r"\n\s+tl\.store\(key_first_bad_out[^\n]*", body)
-    assert gamma and first_bad, "gamma's and the first bad row's stores"
-    return body.replace(gamma.group(0), "").replace(first_bad.group(0), "")
+def _blank(text: str, pattern: str, count: int, what: str) -> str:
+    """``text`` with each statement matching ``pattern`` (from its indentation to its line's end, or
+    to the end of a continuation line starting ``mask=``) made ``pass``, so that a block it
+    leaves empty stays Python; asserts that ``count`` matched."""
+    statement = re.compile(r"^([ \t]+)" + pattern + r"[^\n]*(?:\n[ \t]+mask=[^\n]*)?", re.M)
+    blanked, found = statement.subn(lambda match: match.group(1) + "pass", text)
+    assert found == count, f"{what}: {found} found, {count} expected"
+    return blanked
 
 
 def without_stores(source: str) -> str:
-    return _edit(source, "_off_diagonal_tiles", lambda body: _drop_stores(body, r"_store_rows\((qd_out|bkd_out|kd_out)", 12))
+    def drop(body):
+        body = _blank(body, r"_store_rows\((qd_out|bkd_out|kd_out)", 12, "the key loop's stores of qd, b k exp(G) and kd")
+        body = _blank(body, r"tl\.store\(gamma_out", 1, "gamma's store")
+        return _blank(body, r"tl\.store\(key_first_bad_out", 1, "the first bad row's store")
+
+    return _edit(source, "_off_diagonal_tiles", drop)
 
 
-def without_pair_stores(source: str) -> str:
-    return _edit(source, "_off_diagonal_tiles_paired",
-                 lambda body: _drop_stores(body, r"_store_rows\((qd_out|bkd_out|kd_out)", 6))
+def without_bkd_store(source: str) -> str:
+    return _edit(source, "_off_diagonal_tiles",
+                 lambda body: _blank(body, r"_store_rows\(bkd_out", 4, "the key loop's stores of b k exp(G)"))
+
+
+def without_bad_rows(source: str) -> str:
+    """Without ``_sub_block``'s tracking of the first bad row (its checks then unused)."""
+    return _edit(source, "_sub_block",
+                 lambda body: _blank(body, r"key_bad = tl\.minimum\(key_bad, ", 1, "the bad-row tracking"))
 
 
 def _drop_scans(body: str) -> str:
@@ -71,28 +78,20 @@ def _drop_scans(body: str) -> str:
 
 
 def without_scans(source: str) -> str:
-    """Without the scans of ``_sub_block``, which every key-loop form calls."""
+    """Without the scans of ``_sub_block``."""
     return _edit(source, "_sub_block", _drop_scans)
 
 
 def without_P_products(source: str) -> str:
-    lines = source.split("\n")
-    kept = [line for line in lines if not re.match(r"\s+P\d\d \+= tl\.dot\(", line)]
-    assert len(lines) - len(kept) == 6, "P's six off-diagonal products"
-    return "\n".join(kept)
+    return _edit(source, "_off_diagonal_tiles",
+                 lambda body: _blank(body, r"P\d\d \+= tl\.dot\(", 6, "P's six off-diagonal products"))
 
 
-def forms(source: str) -> dict[str, tuple[str, dict]]:
-    """Each form's source and the key-loop form it runs (the launch's ``PAIRED`` and ``HALVES``)."""
-    plain, paired, halves = dict(PAIRED=False, HALVES=False), dict(PAIRED=True, HALVES=False), dict(PAIRED=False, HALVES=True)
-    return {"baseline": (source, plain), "no_stores": (without_stores(source), plain),
-            "no_scans": (without_scans(source), plain),
-            "no_stores_no_scans": (without_scans(without_stores(source)), plain),
-            "no_P_dots": (without_P_products(source), plain),
-            "paired": (source, paired), "paired_no_stores": (without_pair_stores(source), paired),
-            "paired_no_scans": (without_scans(source), paired),
-            "halves": (source, halves), "halves_no_stores": (without_stores(source), halves),
-            "halves_no_scans": (without_scans(source), halves)}
+def forms(source: str) -> dict[str, str]:
+    """Each form's source."""
+    return {"baseline": source, "no_stores": without_stores(source), "no_scans": without_scans(source),
+            "no_stores_no_scans": without_scans(without_stores(source)), "no_P_dots": without_P_products(source),
+            "no_bad_rows": without_bad_rows(source), "no_bkd_store": without_bkd_store(source)}
 
 
 def _load(name: str, text: str, folder: str):
@@ -133,7 +132,7 @@ def main(argv=None) -> dict[str, float | None]:
     with open(SOURCE) as handle:
         source = handle.read()
     with tempfile.TemporaryDirectory() as folder:
-        for name, (text, key_loop) in forms(source).items():
+        for name, text in forms(source).items():
             start = time.time()
             module = _load(name, text, folder)
 
@@ -141,7 +140,7 @@ def main(argv=None) -> dict[str, float | None]:
                 module._intra_forward_kernel[(N, B * H)](
                     q, k, g, b, P, A, qd, kd, bkd, gamma, first_bad, P, T, H, K, N,
                     BK=min(module.INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT="tf32",
-                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, **key_loop, num_warps=module.INTRA_FORWARD_WARPS,
+                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, num_warps=module.INTRA_FORWARD_WARPS,
                     num_stages=1)
 
             launch()

@@ -16,31 +16,35 @@ def whatif():
 def test_every_form_edits_the_kernel(whatif):
     source = Path(whatif.SOURCE).read_text()
     forms = whatif.forms(source)
-    assert forms["baseline"][0] == forms["paired"][0] == forms["halves"][0] == source
-    for name, (text, key_loop) in forms.items():
-        ast.parse(text)  # still Python
-        assert key_loop == dict(PAIRED=name.startswith("paired"), HALVES=name.startswith("halves")), name
-        if name not in ("baseline", "paired", "halves"):
+    assert forms["baseline"] == source
+    for name, text in forms.items():
+        ast.parse(text)  # still Python (a blanked statement is ``pass``)
+        if name != "baseline":
             assert text != source, name
 
     def body(text, function):
         start, end = whatif._function(text, function)
         return text[start:end]
 
-    loop = body(forms["no_stores"][0], "_off_diagonal_tiles")
+    loop = body(forms["no_stores"], "_off_diagonal_tiles")
     assert "_store_rows(qd_out" not in loop and "tl.store(gamma_out" not in loop
-    loop = body(forms["paired_no_stores"][0], "_off_diagonal_tiles_paired")
-    assert "_store_rows(qd_out" not in loop and "tl.store(gamma_out" not in loop and "tl.store(key_first_bad_out" not in loop
-    for name in ("no_scans", "paired_no_scans", "halves_no_scans"):  # every key-loop form scans in _sub_block
-        assert "tl.cumsum(decay, 0)" not in body(forms[name][0], "_sub_block"), name
-    assert "P10 += tl.dot(" not in forms["no_P_dots"][0] and "A10 += tl.dot(" in forms["no_P_dots"][0]
+    assert "tl.store(key_first_bad_out" not in loop
+    loop = body(forms["no_bkd_store"], "_off_diagonal_tiles")
+    assert "_store_rows(bkd_out" not in loop and "_store_rows(qd_out" in loop
+    for name in ("no_scans", "no_stores_no_scans"):
+        assert "tl.cumsum(decay, 0)" not in body(forms[name], "_sub_block"), name
+    assert "key_bad = tl.minimum(" not in body(forms["no_bad_rows"], "_sub_block")
+    assert "tl.store(key_first_bad_out" in body(forms["no_bad_rows"], "_off_diagonal_tiles")
+    assert "P10 += tl.dot(" not in forms["no_P_dots"] and "A10 += tl.dot(" in forms["no_P_dots"]
 
 
 def test_an_edit_that_misses_fails(whatif):
     with pytest.raises((AssertionError, ValueError)):
         whatif.without_scans("def _sub_block():\n    return 0\n@triton.jit\n")
     with pytest.raises(AssertionError):
-        whatif.without_P_products("x = 1\n")
+        whatif.without_P_products("def _off_diagonal_tiles():\n    x = 1\n@triton.jit\n")
+    with pytest.raises((AssertionError, ValueError)):
+        whatif.without_bad_rows("def _sub_block():\n    return 0\n@triton.jit\n")
 
 
 def test_every_form_launches_under_the_interpreter(whatif, monkeypatch):

@@ -59,12 +59,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
 INTRA_FORWARD_KEY_BLOCK = 16
-# The intra-forward on its sub-blocks in two pairs (_off_diagonal_tiles_paired): scans inside a
-# warp, products of stacked pairs shared by the warps.
-INTRA_FORWARD_PAIRED = False
-# The intra-forward's key blocks as two halves side by side ([16, 2, BK / 2] tiles: one warp a
-# half, so that the scans down each sub-block stay inside a warp), joined for the products.
-INTRA_FORWARD_HALVES = False
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -224,9 +218,7 @@ def _store_tile(matrix, I: tl.constexpr, J: tl.constexpr, tile):
 @triton.jit
 def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, rows, cols, col_ok):
     """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
-    q, k, b and g (``_sub_block``'s input). ``rows`` (0..15), ``cols`` and ``col_ok`` come shaped to
-    broadcast into the tile: [16, 1] and [1, BK], or [16, 1, 1] and [1, 2, BK / 2] for the block
-    in two halves side by side (``_key_block``)."""
+    q, k, b and g (``_sub_block``'s input); ``rows`` (0..15) [16, 1], ``cols`` and ``col_ok`` [1, BK]."""
     t = t0 + I * 16 + rows
     ok = (t < T) & col_ok
     offsets = key_base + t * HK + cols
@@ -243,27 +235,6 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, rows, cols, col_ok):
             _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, rows, cols, col_ok),
             _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, rows, cols, col_ok),
             _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, rows, cols, col_ok))
-
-
-@triton.jit
-def _key_block(k0, BK: tl.constexpr, HALVES: tl.constexpr):
-    """Row indices (0..15) and key columns of the key block at ``k0``, shaped to broadcast:
-    [16, 1] and [1, BK]; with ``HALVES``, [16, 1, 1] and [1, 2, BK / 2], the block's two halves
-    side by side (Triton then gives each of two warps a half, so that scans down the rows stay
-    inside a warp)."""
-    if HALVES:
-        rows = tl.arange(0, 16)[:, None, None]
-        cols = (k0 + tl.arange(0, 2)[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])[None, :, :]
-    else:
-        rows = tl.arange(0, 16)[:, None]
-        cols = (k0 + tl.arange(0, BK))[None, :]
-    return rows, cols
-
-
-@triton.jit
-def _operand(x, BK: tl.constexpr):
-    """A sub-block's tile as a [16, BK] product operand (a block in halves joined again)."""
-    return tl.reshape(x, (16, BK))
 
 
 @triton.jit
@@ -309,7 +280,7 @@ def _exclusive_suffix(x):
 
 @triton.jit
 def _store_rows(base, I: tl.constexpr, K, rows, cols, col_ok, tile):
-    """Store a sub-block's tile (``_key_block``'s shapes) at rows 16 I of a chunk's [64, K] rows
+    """Store a sub-block's [16, BK] tile at rows 16 I of a chunk's [64, K] rows
     (``base`` at the chunk's first row), in the buffer's dtype; padded rows too (their tile is
     zero)."""
     tl.store(base + (I * 16 + rows) * K + cols, tile.to(base.dtype.element_ty), mask=(rows >= 0) & col_ok)
@@ -527,8 +498,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, PAIRED: tl.constexpr,
-    HALVES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -548,16 +518,11 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if PAIRED:
-        _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, _chunk_matrix(P_out, chunk),
-                                   _chunk_matrix(A_out, chunk), qd_out, kd_out, bkd_out, gamma_out,
-                                   key_first_bad_out, chunk, K, BK, DOT, STAGES)
-    else:
-        A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
-            q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-            chunk, K, BK, DOT, STAGES, HALVES)
-        _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
-        _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
+    A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
+        q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
+        chunk, K, BK, DOT, STAGES)
+    _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
+    _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
 
 @triton.jit
@@ -588,11 +553,9 @@ def _inverse_kernel(
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
-                        HALVES: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
-    qd, kd, bkd, gamma and the key side's first bad row of the chunk. With ``HALVES``, each key
-    block's tiles are [16, 2, BK / 2] (``_key_block``), joined as [16, BK] for the products."""
+    qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
     A20 = tl.zeros((16, 16), dtype=tl.float32)
     A21 = tl.zeros((16, 16), dtype=tl.float32)
@@ -605,8 +568,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    rows, cols = _key_block(0, BK, HALVES)
-    key_bad = (rows + cols) * 0 + 64  # elementwise, in the tiles' shape
+    rows = tl.arange(0, 16)[:, None]
+    key_bad = tl.full((16, BK), 64, dtype=tl.int32)  # elementwise, in the tiles' shape
     qd_out += chunk * 64 * K
     kd_out += chunk * 64 * K
     bkd_out += chunk * 64 * K
@@ -614,7 +577,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        rows, cols = _key_block(k0, BK, HALVES)
+        cols = (k0 + tl.arange(0, BK))[None, :]
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
@@ -629,8 +592,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
         q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad, rows)
         left = tl.exp(L1)
-        A10 += tl.dot(_operand(bk1 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
-        P10 += tl.dot(_operand(q1 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
+        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
+        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, rows, cols, col_ok, q1 * left)
@@ -641,10 +604,11 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
         q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad, rows)
         left = tl.exp(L2)
-        A20 += tl.dot(_operand(bk2 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
-        P20 += tl.dot(_operand(q2 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
-        A21 += tl.dot(_operand(bk2 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
-        P21 += tl.dot(_operand(q2 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
+        # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
+        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
+        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
+        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
+        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, rows, cols, col_ok, q2 * left)
@@ -656,12 +620,12 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
         q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad, rows)
         left = tl.exp(L3)
-        A30 += tl.dot(_operand(bk3 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
-        P30 += tl.dot(_operand(q3 * left, BK), tl.trans(_operand(right0, BK)), input_precision=DOT)
-        A31 += tl.dot(_operand(bk3 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
-        P31 += tl.dot(_operand(q3 * left, BK), tl.trans(_operand(right1, BK)), input_precision=DOT)
-        A32 += tl.dot(_operand(bk3 * left, BK), tl.trans(_operand(right2, BK)), input_precision=DOT)
-        P32 += tl.dot(_operand(q3 * left, BK), tl.trans(_operand(right2, BK)), input_precision=DOT)
+        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
+        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
+        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
+        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
+        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
+        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, rows, cols, col_ok, q3 * left)
         _store_rows(bkd_out, 3, K, rows, cols, col_ok, bk3 * left)
@@ -676,123 +640,6 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.reshape(key_bad, (16 * BK,)), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
-
-
-@triton.jit
-def _pair_rows(pair: tl.constexpr):
-    """Rows in the chunk of sub-blocks ``2 pair`` and ``2 pair + 1`` side by side, [16, 2, 1] (row
-    r, sub-block of the pair), to broadcast against key columns [1, 1, BK]: the row shapes of
-    ``_sub_block_load``, ``_sub_block`` and ``_store_rows`` with I = 0."""
-    return 32 * pair + 16 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 16)[:, None, None]
-
-
-@triton.jit
-def _pair_sums(stored, rows, key_bad):
-    """``_sub_block`` of a pair of sub-blocks (``_pair_rows``): q, k, b k, ``exp(L)``, ``exp(R)``,
-    each sub-block's total log decay ``L + R`` (rows agree, to rounding) and ``key_bad``. The scans
-    run down axis 0, which one warp holds for each sub-block at two warps (no scan across warps)."""
-    q, k, bk, L, R, total, key_bad = _sub_block(*stored, 0, key_bad, rows)
-    return q, k, bk, tl.exp(L), tl.exp(R), total, key_bad
-
-
-@triton.jit
-def _of_pair(x, p: tl.constexpr):
-    """Sub-block ``p`` of a pair's tile ([16, 2, BK] -> [16, 1, BK])."""
-    return tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == p, x, 0.0), 1)[:, None, :]
-
-
-@triton.jit
-def _stacked(x, BK: tl.constexpr):
-    """A pair's [16, 2, BK] tile as [32, BK], row ``2 r + p`` (a product operand)."""
-    return tl.reshape(x, (32, BK))
-
-
-@triton.jit
-def _store_stacked_tiles(matrix, tiles, I0: tl.constexpr, J0: tl.constexpr, BOTH: tl.constexpr):
-    """Store the tiles of a [32, 32] product of stacked pairs (row ``2 r + p``: row r of sub-block
-    ``I0 + p``; column ``2 c + p'``: row c of sub-block ``J0 + p'``) into a chunk matrix: all
-    four (``BOTH``), or (I0 + 1, J0) alone (a pair against itself)."""
-    i = tl.arange(0, 32)
-    I = I0 + i[:, None] % 2
-    J = J0 + i[None, :] % 2
-    entries = _tile_index(I, J) * 256 + (i[:, None] // 2) * 16 + i[None, :] // 2
-    if BOTH:
-        keep = I >= 0
-    else:
-        keep = (I > I0) & (J == J0)
-    tl.store(matrix + entries, tiles.to(matrix.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _off_diagonal_tiles_paired(q, k, b, g, key_base, t0, end, HK, P_out, A_out, qd_out, kd_out, bkd_out, gamma_out,
-                               key_first_bad_out, chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                               STAGES: tl.constexpr):
-    """``_off_diagonal_tiles`` on the sub-blocks in two pairs, (0, 1) and (2, 3), each a [16, 2,
-    BK] tile whose scans stay inside a warp, and with [32, BK] x [BK, 32] products of stacked
-    pairs that the two warps share: pair (2, 3) against pair (0, 1) gives the four tiles (2, 0),
-    (2, 1), (3, 0), (3, 1) at once (the decay of the sub-blocks between, t_1 for J = 0 and t_2 for
-    I = 3, is a factor of the right and of the left operand), and each pair against itself gives
-    (1, 0) and (3, 2) (its other three tiles unused). Stores the tiles of P and A (``P_out``,
-    ``A_out`` at the chunk's matrix) itself."""
-    zero = tl.zeros((32, 32), dtype=tl.float32)
-    A_near01, A_near23, A_far, P_near01, P_near23, P_far = zero, zero, zero, zero, zero, zero
-    key_bad = tl.full((16, 2, BK), 64, dtype=tl.int32)
-    qd_out += chunk * 64 * K
-    kd_out += chunk * 64 * K
-    bkd_out += chunk * 64 * K
-    p = tl.arange(0, 2)[None, :, None]
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        rows01 = _pair_rows(0)
-        rows23 = _pair_rows(1)
-        cols = (k0 + tl.arange(0, BK))[None, None, :]
-        col_ok = cols < K
-        stored01 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, rows01, cols, col_ok)
-        stored23 = _sub_block_load(q, k, b, g, key_base, t0, 0, end, HK, rows23, cols, col_ok)
-        q01, k01, bk01, eL01, eR01, s01, key_bad = _pair_sums(stored01, rows01, key_bad)
-        q23, k23, bk23, eL23, eR23, s23, key_bad = _pair_sums(stored23, rows23, key_bad)
-        t01 = tl.exp(s01)  # each sub-block's decay (its rows agree, to rounding)
-        t23 = tl.exp(s23)
-        t0_ = _of_pair(t01, 0)
-        t1_ = _of_pair(t01, 1)
-        t2_ = _of_pair(t23, 0)
-        t3_ = _of_pair(t23, 1)
-        right01 = k01 * eR01
-        right23 = k23 * eR23
-        left_q01 = q01 * eL01
-        left_bk01 = bk01 * eL01
-        left_q23 = q23 * eL23
-        left_bk23 = bk23 * eL23
-        # each pair against itself: (1, 0) and (3, 2)
-        right = tl.trans(_stacked(right01, BK))
-        A_near01 = tl.dot(_stacked(left_bk01, BK), right, A_near01, input_precision=DOT)
-        P_near01 = tl.dot(_stacked(left_q01, BK), right, P_near01, input_precision=DOT)
-        right = tl.trans(_stacked(right23, BK))
-        A_near23 = tl.dot(_stacked(left_bk23, BK), right, A_near23, input_precision=DOT)
-        P_near23 = tl.dot(_stacked(left_q23, BK), right, P_near23, input_precision=DOT)
-        # pair (2, 3) against pair (0, 1): t_1 on sub-block 0's rows, t_2 on sub-block 3's
-        right = tl.trans(_stacked(right01 * tl.where(p == 0, t1_, 1.0), BK))
-        from_2 = tl.where(p == 1, t2_, 1.0)
-        A_far = tl.dot(_stacked(left_bk23 * from_2, BK), right, A_far, input_precision=DOT)
-        P_far = tl.dot(_stacked(left_q23 * from_2, BK), right, P_far, input_precision=DOT)
-        # exp(G): the decay of the sub-blocks before; exp(G_last - G): of those after
-        into01 = tl.where(p == 0, 1.0, t0_)
-        into23 = tl.where(p == 0, t0_ * t1_, t0_ * t1_ * t2_)
-        out_of01 = tl.where(p == 0, t1_ * t2_ * t3_, t2_ * t3_)
-        out_of23 = tl.where(p == 0, t3_, 1.0)
-        _store_rows(qd_out, 0, K, rows01, cols, col_ok, left_q01 * into01)
-        _store_rows(qd_out, 0, K, rows23, cols, col_ok, left_q23 * into23)
-        _store_rows(bkd_out, 0, K, rows01, cols, col_ok, left_bk01 * into01)
-        _store_rows(bkd_out, 0, K, rows23, cols, col_ok, left_bk23 * into23)
-        _store_rows(kd_out, 0, K, rows01, cols, col_ok, right01 * out_of01)
-        _store_rows(kd_out, 0, K, rows23, cols, col_ok, right23 * out_of23)
-        tl.store(gamma_out + chunk * K + rows01 * 0 + cols, t0_ * t1_ * t2_ * t3_, mask=(rows01 == 0) & col_ok)
-    tl.store(key_first_bad_out + chunk, tl.min(tl.reshape(key_bad, (32 * BK,)), 0))
-    _store_stacked_tiles(A_out, A_near01, 0, 0, False)
-    _store_stacked_tiles(A_out, A_near23, 2, 2, False)
-    _store_stacked_tiles(A_out, A_far, 2, 0, True)
-    _store_stacked_tiles(P_out, P_near01, 0, 0, False)
-    _store_stacked_tiles(P_out, P_near23, 2, 2, False)
-    _store_stacked_tiles(P_out, P_far, 2, 0, True)
 
 
 @triton.jit
@@ -959,8 +806,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRED=INTRA_FORWARD_PAIRED, HALVES=INTRA_FORWARD_HALVES,
-        num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
