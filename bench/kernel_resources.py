@@ -335,9 +335,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
-    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {}, dict(PRECISION=dot),
-                      fk.INVERSE_WARPS)
-    LOOP_TRIPS["inverse"] = [15]  # the substitution's rows
+    out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
+                      dict(PRECISION=dot, DOUBLING=fk.INVERSE_DOUBLING), fk.INVERSE_WARPS)
+    LOOP_TRIPS["inverse"] = [] if fk.INVERSE_DOUBLING else [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16")

@@ -129,3 +129,23 @@ def test_interpreter_refused():
     run = subprocess.run([sys.executable, str(TOOL), "--only", "gate_gradient"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "TRITON_INTERPRET is set" in run.stderr
+
+
+def test_every_h200_variant_names_launch_constants(monkeypatch):
+    """Each of ``bench/triton_h200.py``'s ``VARIANTS`` sets launch constants that exist (a
+    misspelt name would fail on the GPU, after the machine's start-up), and setting them back
+    restores the defaults."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = load_bench("triton_h200", "triton_h200_under_test")
+    tool = _tool_module()
+    from gdn2.torch.triton import forward
+
+    defaults = dict(vars(forward))
+    assert bench.VARIANTS
+    for variant in bench.VARIANTS:
+        previous = tool.set_launch(variant)
+        assert set(previous) == set(variant)
+        tool.set_launch(previous)
+    assert all(vars(forward)[name] is value for name, value in defaults.items() if name.isupper())
+    with pytest.raises(ValueError, match="NO_SUCH_CONSTANT"):
+        tool.set_launch({"NO_SUCH_CONSTANT": 1})

@@ -17,7 +17,7 @@ from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
 from gdn2.testing import make_case, rounded_case, run_torch, with_expected, worst_error  # noqa: E402
 from gdn2.torch.ops import which_path  # noqa: E402
-from gdn2.torch.triton.forward import _exclusive_suffix  # noqa: E402
+from gdn2.torch.triton.forward import _exclusive_suffix, _inverse_unit_lower_16_doubling  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
 kernel_only = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -677,3 +677,72 @@ def test_register_caps_name_launches():
             "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient"} == asked
     assert set(forward.MAX_REGISTERS) <= asked
     assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())
+
+
+# Other forms of the forward, each a launch constant (bench/triton_h200.py VARIANTS)
+FORWARD_FORMS = ["INVERSE_DOUBLING"]
+
+
+@kernel_only
+@pytest.mark.parametrize("form", FORWARD_FORMS)
+@pytest.mark.parametrize("shape", [(2, 130, 2, 40, 24, (-20.0, 0.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))],
+                         ids=["K40-two-chunks", "K128"])
+def test_forward_form_matches_spec(form, shape, seed, interpreter, monkeypatch):
+    """The forward in another form (X's diagonal tiles by recursive doubling: ``INVERSE_DOUBLING``)
+    against the float64 spec: output, final state and every gradient."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, form, True)
+    B, T, H, K, V, decay = shape
+    _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
+
+
+@pytest.mark.parametrize("form", FORWARD_FORMS)
+@pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
+                         ids=["batch-float32", "packed-bfloat16"])
+def test_forward_form_matches_the_default(form, packed, dtype, seed, interpreter, monkeypatch):
+    """Every buffer the in-chunk launches fill, in another form and in the default one, on inputs
+    with hard resets, a NaN in g and non-finite k and b (``_intra_forward_filled``): equal to
+    float32 rounding (bfloat16 buffers to one rounding), and the same first bad rows."""
+    from gdn2.torch.triton import forward
+
+    single, single_bad = _intra_forward_filled(packed, dtype, seed)
+    monkeypatch.setattr(forward, form, True)
+    other, other_bad = _intra_forward_filled(packed, dtype, seed)
+    assert torch.equal(single_bad, other_bad)
+    for name, expected in single.items():
+        got = other[name].double()
+        expected = expected.double()
+        assert torch.isfinite(got).all(), name
+        tolerance = 1e-2 if other[name].dtype == torch.bfloat16 else 1e-5
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        assert error <= tolerance, (name, error, seed)
+
+
+@triton.jit
+def _doubling_inverse(A, X):
+    r = tl.arange(0, 16)
+    entries = r[:, None] * 16 + r[None, :]
+    X0, X1, X2, X3 = _inverse_unit_lower_16_doubling(A, A + 256, A + 512, A + 768, "ieee")
+    tl.store(X + entries, X0)
+    tl.store(X + 256 + entries, X1)
+    tl.store(X + 512 + entries, X2)
+    tl.store(X + 768 + entries, X3)
+
+
+def test_doubling_inverts_a_strictly_lower_tile(seed, interpreter):
+    """``_inverse_unit_lower_16_doubling`` against float64 inverses of ``I + A`` for four random
+    strictly lower 16x16 matrices, one with entries up to 3 (its inverse's entries in the
+    hundreds), one with a zero row and column (a hard reset)."""
+    rng = np.random.default_rng(seed)
+    A = np.tril(rng.uniform(-1.0, 1.0, (4, 16, 16)), -1)
+    A[1] *= 3.0
+    A[2, 7, :] = 0.0
+    A[2, :, 7] = 0.0
+    A_t = torch.tensor(A, dtype=torch.float32)
+    X_t = torch.empty_like(A_t)
+    _doubling_inverse[(1,)](A_t, X_t, num_warps=1)
+    expected = np.linalg.inv(np.eye(16) + A)
+    for i in range(4):
+        error = np.abs(X_t[i].double().numpy() - expected[i]).max() / np.abs(expected[i]).max()
+        assert error < 1e-5, (i, error)

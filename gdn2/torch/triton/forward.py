@@ -64,6 +64,10 @@ INTRA_FORWARD_KEY_BLOCK = 16
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
+# X's diagonal 16x16 tiles by recursive doubling (blocks of 2, 4, 8 inverted, then joined: two
+# products a level, in the dot precision) in place of forward substitution (15 dependent
+# steps, exact float32): the blocked formula the off-diagonal tiles use, taken down inside a tile.
+INVERSE_DOUBLING = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
@@ -178,6 +182,35 @@ def _inverse_unit_lower_16_four(A0, A1, A2, A3):
         X1 = _substitute_row(X1, tl.load(A1 + i * 16 + r), at_i)
         X2 = _substitute_row(X2, tl.load(A2 + i * 16 + r), at_i)
         X3 = _substitute_row(X3, tl.load(A3 + i * 16 + r), at_i)
+    return X0, X1, X2, X3
+
+
+@triton.jit
+def _inverse_unit_lower_16_doubling(A0, A1, A2, A3, PRECISION: tl.constexpr):
+    """``_inverse_unit_lower_16_four`` by recursive doubling: with ``Y`` the inverse of the
+    block-diagonal part of ``I + A`` in blocks of b, the blocks of 2b are ``Y - Y C Y``, C the
+    entries of A in the lower b-block of each 2b-block (for [[D1, 0], [C, D2]] the inverse's lower
+    block is ``-X2 C X1``). Blocks of 2 need no product (``I - C``); 4, 8 and 16 take two products
+    each in ``PRECISION``, the four tiles' chains side by side."""
+    r = tl.arange(0, 16)
+    entries = r[:, None] * 16 + r[None, :]
+    A0 = tl.load(A0 + entries)
+    A1 = tl.load(A1 + entries)
+    A2 = tl.load(A2 + entries)
+    A3 = tl.load(A3 + entries)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    pairs = r[:, None] // 2 == r[None, :] // 2
+    X0 = eye - tl.where(pairs, A0, 0.0)
+    X1 = eye - tl.where(pairs, A1, 0.0)
+    X2 = eye - tl.where(pairs, A2, 0.0)
+    X3 = eye - tl.where(pairs, A3, 0.0)
+    for level in tl.static_range(1, 4):
+        b = 1 << level  # the block size inverted so far
+        joined = (r[:, None] // (2 * b) == r[None, :] // (2 * b)) & (r[:, None] // b != r[None, :] // b)
+        X0 -= tl.dot(tl.dot(X0, tl.where(joined, A0, 0.0), input_precision=PRECISION), X0, input_precision=PRECISION)
+        X1 -= tl.dot(tl.dot(X1, tl.where(joined, A1, 0.0), input_precision=PRECISION), X1, input_precision=PRECISION)
+        X2 -= tl.dot(tl.dot(X2, tl.where(joined, A2, 0.0), input_precision=PRECISION), X2, input_precision=PRECISION)
+        X3 -= tl.dot(tl.dot(X3, tl.where(joined, A3, 0.0), input_precision=PRECISION), X3, input_precision=PRECISION)
     return X0, X1, X2, X3
 
 
@@ -530,6 +563,7 @@ def _inverse_kernel(
     A,  # [B, H, N, 10, 16, 16] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
     PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
+    DOUBLING: tl.constexpr,  # the diagonal tiles by recursive doubling (INVERSE_DOUBLING)
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
@@ -542,7 +576,7 @@ def _inverse_kernel(
     chunk = tl.program_id(0).to(tl.int64)
     A = _chunk_matrix(A, chunk)
     X_out = _chunk_matrix(X_out, chunk)
-    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A)
+    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, PRECISION, DOUBLING)
     # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
     # through it, and all read before X's tiles overwrite them
     A10, A20, A21 = _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1)
@@ -650,11 +684,16 @@ def _blocked(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_inverse_diagonal(matrix, A):
+def _store_inverse_diagonal(matrix, A, PRECISION: tl.constexpr, DOUBLING: tl.constexpr):
     """X's diagonal tiles, returned too."""
-    X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-        A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
-        A + _tile_entry(3, 3, 0, 0))
+    if DOUBLING:
+        X00, X11, X22, X33 = _inverse_unit_lower_16_doubling(
+            A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
+            A + _tile_entry(3, 3, 0, 0), PRECISION)
+    else:
+        X00, X11, X22, X33 = _inverse_unit_lower_16_four(
+            A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
+            A + _tile_entry(3, 3, 0, 0))
     tl.debug_barrier()  # every row of A read before X's tiles overwrite them (X formed over A)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 1, 1, X11)
@@ -809,8 +848,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
-    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
-                                  **register_cap("inverse"))
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, DOUBLING=INVERSE_DOUBLING, num_warps=INVERSE_WARPS,
+                                  num_stages=1, **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
