@@ -336,8 +336,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
     out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
-                      dict(PRECISION=dot, DOUBLING=fk.INVERSE_DOUBLING), fk.INVERSE_WARPS)
-    LOOP_TRIPS["inverse"] = [] if fk.INVERSE_DOUBLING else [15]  # the substitution's rows
+                      dict(PRECISION=dot, DOUBLING=fk.INVERSE_DOUBLING, DIAGONAL_DONE=fk.DIAGONAL_INVERTS),
+                      fk.INVERSE_WARPS)
+    LOOP_TRIPS["inverse"] = [] if fk.INVERSE_DOUBLING or fk.DIAGONAL_INVERTS else [15]  # the substitution's rows
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16")
@@ -352,7 +353,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {},
-        dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES),
+        dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES,
+             INVERT=fk.DIAGONAL_INVERTS),
         fk.DIAGONAL_WARPS,
     )
     LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]

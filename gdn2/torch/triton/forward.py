@@ -68,6 +68,9 @@ INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers again
 # products a level, in the dot precision) in place of forward substitution (15 dependent
 # steps, exact float32): the blocked formula the off-diagonal tiles use, taken down inside a tile.
 INVERSE_DOUBLING = False
+# The diagonal launch inverts its own A tile (recursive doubling, after its stores) and leaves
+# X's diagonal tile in A's place; the inverse launch then makes the other six tiles only.
+DIAGONAL_INVERTS = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
@@ -187,31 +190,28 @@ def _inverse_unit_lower_16_four(A0, A1, A2, A3):
 
 @triton.jit
 def _inverse_unit_lower_16_doubling(A0, A1, A2, A3, PRECISION: tl.constexpr):
-    """``_inverse_unit_lower_16_four`` by recursive doubling: with ``Y`` the inverse of the
-    block-diagonal part of ``I + A`` in blocks of b, the blocks of 2b are ``Y - Y C Y``, C the
-    entries of A in the lower b-block of each 2b-block (for [[D1, 0], [C, D2]] the inverse's lower
-    block is ``-X2 C X1``). Blocks of 2 need no product (``I - C``); 4, 8 and 16 take two products
-    each in ``PRECISION``, the four tiles' chains side by side."""
+    """``_inverse_unit_lower_16_four`` by recursive doubling (``_doubled_inverse`` on each tile;
+    the four chains independent, side by side)."""
     r = tl.arange(0, 16)
     entries = r[:, None] * 16 + r[None, :]
-    A0 = tl.load(A0 + entries)
-    A1 = tl.load(A1 + entries)
-    A2 = tl.load(A2 + entries)
-    A3 = tl.load(A3 + entries)
-    eye = (r[:, None] == r[None, :]).to(tl.float32)
-    pairs = r[:, None] // 2 == r[None, :] // 2
-    X0 = eye - tl.where(pairs, A0, 0.0)
-    X1 = eye - tl.where(pairs, A1, 0.0)
-    X2 = eye - tl.where(pairs, A2, 0.0)
-    X3 = eye - tl.where(pairs, A3, 0.0)
+    return (_doubled_inverse(tl.load(A0 + entries), PRECISION), _doubled_inverse(tl.load(A1 + entries), PRECISION),
+            _doubled_inverse(tl.load(A2 + entries), PRECISION), _doubled_inverse(tl.load(A3 + entries), PRECISION))
+
+
+@triton.jit
+def _doubled_inverse(A, PRECISION: tl.constexpr):
+    """``(I + A)^{-1}`` for a strictly lower 16x16 ``A`` (float32, zero on and above the diagonal)
+    by recursive doubling: with ``Y`` the inverse of the block-diagonal part of ``I + A`` in blocks
+    of b, the blocks of 2b are ``Y - Y C Y``, C the entries of A in the lower b-block of each
+    2b-block (for [[D1, 0], [C, D2]] the inverse's lower block is ``-X2 C X1``). Blocks of 2 need
+    no product (``I - C``); 4, 8 and 16 take two products each in ``PRECISION``."""
+    r = tl.arange(0, 16)
+    X = (r[:, None] == r[None, :]).to(tl.float32) - tl.where(r[:, None] // 2 == r[None, :] // 2, A, 0.0)
     for level in tl.static_range(1, 4):
         b = 1 << level  # the block size inverted so far
         joined = (r[:, None] // (2 * b) == r[None, :] // (2 * b)) & (r[:, None] // b != r[None, :] // b)
-        X0 -= tl.dot(tl.dot(X0, tl.where(joined, A0, 0.0), input_precision=PRECISION), X0, input_precision=PRECISION)
-        X1 -= tl.dot(tl.dot(X1, tl.where(joined, A1, 0.0), input_precision=PRECISION), X1, input_precision=PRECISION)
-        X2 -= tl.dot(tl.dot(X2, tl.where(joined, A2, 0.0), input_precision=PRECISION), X2, input_precision=PRECISION)
-        X3 -= tl.dot(tl.dot(X3, tl.where(joined, A3, 0.0), input_precision=PRECISION), X3, input_precision=PRECISION)
-    return X0, X1, X2, X3
+        X -= tl.dot(tl.dot(X, tl.where(joined, A, 0.0), input_precision=PRECISION), X, input_precision=PRECISION)
+    return X
 
 
 @triton.jit
@@ -324,11 +324,12 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 10, 16, 16] (A float32; P float32 or bfloat16): this launch writes their diagonal tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, INVERT: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
-    products in ``DOT`` precision)."""
+    products in ``DOT`` precision). With ``INVERT``, A's tile read back whole and X's diagonal
+    tile ``(I + A_II)^{-1}`` (``_doubled_inverse``) stored in its place."""
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
@@ -339,9 +340,16 @@ def _diagonal_kernel(
     first = chunk_first + I * 16  # the sub-block's first token
     sequence = i_b * T * H * K + i_h * K
     tile = _tile_entry(I, I, 0, 0)  # the diagonal tile's first entry in its chunk's matrix
+    A_tile = _chunk_matrix(A_out, i_bh * N + i_n) + tile
     _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence,
-                        _chunk_matrix(P_out, i_bh * N + i_n) + tile, _chunk_matrix(A_out, i_bh * N + i_n) + tile,
-                        first, end, H * K, K, BK, DOT, STAGES)
+                        _chunk_matrix(P_out, i_bh * N + i_n) + tile, A_tile, first, end, H * K, K, BK, DOT, STAGES)
+    if INVERT:
+        tl.debug_barrier()  # the tile's entries, stored by different lanes, all written
+        r = tl.arange(0, 16)
+        entries = r[:, None] * 16 + r[None, :]
+        X = _doubled_inverse(tl.load(A_tile + entries), DOT)
+        tl.debug_barrier()  # every lane's load done before the tile is overwritten
+        tl.store(A_tile + entries, X)
 
 
 @triton.jit
@@ -564,6 +572,7 @@ def _inverse_kernel(
     X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
     PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
     DOUBLING: tl.constexpr,  # the diagonal tiles by recursive doubling (INVERSE_DOUBLING)
+    DIAGONAL_DONE: tl.constexpr,  # X's diagonal tiles already in A's (DIAGONAL_INVERTS)
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
@@ -576,7 +585,15 @@ def _inverse_kernel(
     chunk = tl.program_id(0).to(tl.int64)
     A = _chunk_matrix(A, chunk)
     X_out = _chunk_matrix(X_out, chunk)
-    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, PRECISION, DOUBLING)
+    if DIAGONAL_DONE:  # copied to X's buffer (the same place when X is float32)
+        X00, X11, X22, X33 = _load_tile(A, 0, 0), _load_tile(A, 1, 1), _load_tile(A, 2, 2), _load_tile(A, 3, 3)
+        tl.debug_barrier()
+        _store_tile(X_out, 0, 0, X00)
+        _store_tile(X_out, 1, 1, X11)
+        _store_tile(X_out, 2, 2, X22)
+        _store_tile(X_out, 3, 3, X33)
+    else:
+        X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, PRECISION, DOUBLING)
     # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
     # through it, and all read before X's tiles overwrite them
     A10, A20, A21 = _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1)
@@ -814,7 +831,8 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, num_warps=DIAGONAL_WARPS, num_stages=1,
+        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, INVERT=DIAGONAL_INVERTS, num_warps=DIAGONAL_WARPS,
+        num_stages=1,
         **register_cap("diagonal"),
     )
 
@@ -848,8 +866,9 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
-    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, DOUBLING=INVERSE_DOUBLING, num_warps=INVERSE_WARPS,
-                                  num_stages=1, **register_cap("inverse"))
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, DOUBLING=INVERSE_DOUBLING,
+                                  DIAGONAL_DONE=DIAGONAL_INVERTS, num_warps=INVERSE_WARPS, num_stages=1,
+                                  **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
