@@ -577,7 +577,8 @@ def _inverse_kernel(
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
     read before X's tile in its place is written): the diagonal tiles by forward substitution in
-    float32, the others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` with
+    float32 (``DOUBLING``: by ``_doubled_inverse``; ``DIAGONAL_DONE``: made by the diagonal launch,
+    copied), the others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` with
     products in ``PRECISION``, each tile stored as soon as it is final, X's upper tiles zero.
     sm_90a at one warp: 96 registers and no spills with TF32 products (the default), 255 and 140 B
     of spills with exact float32 ones ("ieee"); TF32 took the forward from 2.312 to 2.283 ms and
