@@ -17,7 +17,7 @@ from gdn2.torch import chunk_gdn2  # noqa: E402
 from gdn2.torch import triton as kernel  # noqa: E402
 from gdn2.testing import make_case, rounded_case, run_torch, with_expected, worst_error  # noqa: E402
 from gdn2.torch.ops import which_path  # noqa: E402
-from gdn2.torch.triton.forward import _exclusive_suffix, _inverse_unit_lower_16_doubling  # noqa: E402
+from gdn2.torch.triton.forward import _doubled_inverse, _exclusive_suffix  # noqa: E402
 
 # A kernel that fails falls back to the chunk path with a RuntimeWarning: make that a failure.
 kernel_only = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -750,15 +750,12 @@ def test_forward_form_matches_the_default(form, packed, dtype, seed, interpreter
 def _doubling_inverse(A, X):
     r = tl.arange(0, 16)
     entries = r[:, None] * 16 + r[None, :]
-    X0, X1, X2, X3 = _inverse_unit_lower_16_doubling(A, A + 256, A + 512, A + 768, "ieee")
-    tl.store(X + entries, X0)
-    tl.store(X + 256 + entries, X1)
-    tl.store(X + 512 + entries, X2)
-    tl.store(X + 768 + entries, X3)
+    for i in tl.static_range(4):
+        tl.store(X + 256 * i + entries, _doubled_inverse(tl.load(A + 256 * i + entries), "ieee"))
 
 
 def test_doubling_inverts_a_strictly_lower_tile(seed, interpreter):
-    """``_inverse_unit_lower_16_doubling`` against float64 inverses of ``I + A`` for four random
+    """``_doubled_inverse`` against float64 inverses of ``I + A`` for four random
     strictly lower 16x16 matrices, one with entries up to 3 (its inverse's entries in the
     hundreds), one with a zero row and column (a hard reset)."""
     rng = np.random.default_rng(seed)

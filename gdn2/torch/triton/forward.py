@@ -249,12 +249,13 @@ def _store_tile(matrix, I: tl.constexpr, J: tl.constexpr, tile):
 
 
 @triton.jit
-def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, rows, cols, col_ok):
+def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, cols, col_ok):
     """The tiles of sub-block I (rows ``t0 + 16 I ...``) for one block of key columns as stored:
-    q, k, b and g (``_sub_block``'s input); ``rows`` (0..15) [16, 1], ``cols`` and ``col_ok`` [1, BK]."""
-    t = t0 + I * 16 + rows
-    ok = (t < T) & col_ok
-    offsets = key_base + t * HK + cols
+    q, k, b and g (``_sub_block``'s input)."""
+    r = tl.arange(0, 16)
+    t = t0 + I * 16 + r
+    ok = (t < T)[:, None] & col_ok[None, :]
+    offsets = key_base + t[:, None] * HK + cols[None, :]
     k_raw = tl.load(k + offsets, mask=ok, other=0.0)
     q_raw = tl.load(q + offsets, mask=ok, other=0.0)
     b_raw = tl.load(b + offsets, mask=ok, other=0.0)
@@ -262,16 +263,16 @@ def _sub_block_load(q, k, b, g, key_base, t0, I: tl.constexpr, T, HK, rows, cols
 
 
 @triton.jit
-def _chunk_load(q, k, b, g, key_base, t0, T, HK, rows, cols, col_ok):
+def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
     """``_sub_block_load`` of all four sub-blocks, issued together so that their latencies overlap."""
-    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, rows, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, rows, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, rows, cols, col_ok),
-            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, rows, cols, col_ok))
+    return (_sub_block_load(q, k, b, g, key_base, t0, 0, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 1, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 2, T, HK, cols, col_ok),
+            _sub_block_load(q, k, b, g, key_base, t0, 3, T, HK, cols, col_ok))
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, rows):
+def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
@@ -281,12 +282,13 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, rows):
     over the sub-blocks M seen whose k or b at row r is non-finite or whose g is NaN or +inf; 64
     where there is none; reduced once after the key loop).
     """
+    r = tl.arange(0, 16)
     q_tile = q_raw.to(tl.float32)
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
     g_tile = g_raw.to(tl.float32)
     bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + rows, 64))
+    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
     decay = _decay(g_tile)
@@ -312,11 +314,12 @@ def _exclusive_suffix(x):
 
 
 @triton.jit
-def _store_rows(base, I: tl.constexpr, K, rows, cols, col_ok, tile):
-    """Store a sub-block's [16, BK] tile at rows 16 I of a chunk's [64, K] rows
-    (``base`` at the chunk's first row), in the buffer's dtype; padded rows too (their tile is
-    zero)."""
-    tl.store(base + (I * 16 + rows) * K + cols, tile.to(base.dtype.element_ty), mask=(rows >= 0) & col_ok)
+def _store_rows(base, I: tl.constexpr, K, cols, col_ok, tile):
+    """Store a [16, BK] tile at rows 16 I of a chunk's [64, K] rows (``base`` at the chunk's first
+    row), in the buffer's dtype; padded rows too (their tile is zero)."""
+    r = tl.arange(0, 16)
+    tl.store(base + (I * 16 + r[:, None]) * K + cols[None, :], tile.to(base.dtype.element_ty),
+             mask=(r >= 0)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -345,11 +348,9 @@ def _diagonal_kernel(
                         _chunk_matrix(P_out, i_bh * N + i_n) + tile, A_tile, first, end, H * K, K, BK, DOT, STAGES)
     if INVERT:
         tl.debug_barrier()  # the tile's entries, stored by different lanes, all written
-        r = tl.arange(0, 16)
-        entries = r[:, None] * 16 + r[None, :]
-        X = _doubled_inverse(tl.load(A_tile + entries), DOT)
+        X = _doubled_inverse(_load_tile(A_tile, 0, 0), DOT)  # the tile as a matrix of its own
         tl.debug_barrier()  # every lane's load done before the tile is overwritten
-        tl.store(A_tile + entries, X)
+        _store_tile(A_tile, 0, 0, X)
 
 
 @triton.jit
@@ -620,8 +621,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    rows = tl.arange(0, 16)[:, None]
-    key_bad = tl.full((16, BK), 64, dtype=tl.int32)  # elementwise, in the tiles' shape
+    key_bad = tl.full((16, BK), 64, dtype=tl.int32)
     qd_out += chunk * 64 * K
     kd_out += chunk * 64 * K
     bkd_out += chunk * 64 * K
@@ -629,32 +629,32 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     # A and P, one block of key columns at a time; sub-blocks in order, so that the right factors
     # of earlier sub-blocks (k e^R times the decay of the sub-blocks between) are at hand.
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        cols = (k0 + tl.arange(0, BK))[None, :]
+        cols = k0 + tl.arange(0, BK)
         col_ok = cols < K
         # every sub-block's loads issued before the first is used, so that their latencies overlap
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
-        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, rows, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, rows)
+        stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
         left = tl.exp(L0)  # exp(G) on sub-block 0
-        _store_rows(qd_out, 0, K, rows, cols, col_ok, q0 * left)
-        _store_rows(bkd_out, 0, K, rows, cols, col_ok, bk0 * left)
+        _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
+        _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad, rows)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
-        _store_rows(qd_out, 1, K, rows, cols, col_ok, q1 * left)
-        _store_rows(bkd_out, 1, K, rows, cols, col_ok, bk1 * left)
+        _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
+        _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad, rows)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
         left = tl.exp(L2)
         # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
@@ -663,14 +663,14 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
-        _store_rows(qd_out, 2, K, rows, cols, col_ok, q2 * left)
-        _store_rows(bkd_out, 2, K, rows, cols, col_ok, bk2 * left)
+        _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
+        _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad, rows)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
@@ -679,18 +679,20 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
         P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
-        _store_rows(qd_out, 3, K, rows, cols, col_ok, q3 * left)
-        _store_rows(bkd_out, 3, K, rows, cols, col_ok, bk3 * left)
+        _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
+        _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
         decay3 = tl.exp(s3)
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
-        tl.store(gamma_out + chunk * K + rows * 0 + cols, before * decay3, mask=(rows == 0) & col_ok)
+        r = tl.arange(0, 16)
+        tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
+                 mask=(r == 0)[:, None] & col_ok[None, :])
         # exp(G_last - G_j): right_J already carries e^{R_J} and the decays up to sub-block 2
-        _store_rows(kd_out, 0, K, rows, cols, col_ok, right0 * decay3)
-        _store_rows(kd_out, 1, K, rows, cols, col_ok, right1 * decay3)
-        _store_rows(kd_out, 2, K, rows, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 3, K, rows, cols, col_ok, k3 * tl.exp(R3))
+        _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
+        _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
+        _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
-    tl.store(key_first_bad_out + chunk, tl.min(tl.reshape(key_bad, (16 * BK,)), 0))
+    tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
