@@ -630,9 +630,10 @@ def test_unwritten_entries_are_never_read(seed, interpreter, monkeypatch):
         assert np.array_equal(value, poisoned[name]), name
 
 
-def _intra_forward_filled(packed, dtype, seed):
+def _intra_forward_filled(packed, dtype, seed, unit_keys=False):
     """The buffers ``intra_forward`` fills (each first filled with NaN: every entry must be
-    written) and ``first_bad``, on the inputs of ``test_intra_forward_writes_every_entry``."""
+    written) and ``first_bad``, on the inputs of ``test_intra_forward_writes_every_entry``;
+    ``unit_keys`` scales the keys to unit length, as a layer's L2 norm does."""
     from gdn2.spec import parse_cu_seqlens
     from gdn2.torch.triton import forward
 
@@ -640,6 +641,8 @@ def _intra_forward_filled(packed, dtype, seed):
     B, T, H, K, V = (1, 150, 2, 48, 24) if packed else (2, 130, 2, 40, 24)
     q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.float32) for shape in
                ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
+    if unit_keys:
+        k = k / k.norm(dim=-1, keepdim=True)
     g = torch.tensor(rng.uniform(-3.0, 0.0, (B, T, H, K)), dtype=torch.float32)
     b = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, K)), dtype=torch.float32)
     w = torch.tensor(rng.uniform(0.0, 1.0, (B, T, H, V)), dtype=torch.float32)
@@ -730,12 +733,17 @@ def test_forward_form_matches_spec(form, shape, seed, interpreter, monkeypatch):
 def test_forward_form_matches_the_default(form, packed, dtype, seed, interpreter, monkeypatch):
     """Every buffer the in-chunk launches fill, in another form and in the default one, on inputs
     with hard resets, a NaN in g and non-finite k and b (``_intra_forward_filled``): equal to
-    float32 rounding (bfloat16 buffers to one rounding), and the same first bad rows."""
+    float32 rounding (bfloat16 buffers to one rounding), and the same first bad rows. Keys of unit
+    length, as a layer gives: the forms invert in another order, and tiles of raw normal keys are
+    ill conditioned enough (entries of X to 1e5) that two right inversions differ by 1e-5 of X's
+    largest entry; on unit keys they differ by at most 4e-8 (13 seeds). The ill-conditioned tiles'
+    inversion is checked against float64 in test_diagonal_launch and
+    test_doubling_inverts_a_strictly_lower_tile."""
     from gdn2.torch.triton import forward
 
-    single, single_bad = _intra_forward_filled(packed, dtype, seed)
+    single, single_bad = _intra_forward_filled(packed, dtype, seed, unit_keys=True)
     monkeypatch.setattr(forward, form, True)
-    other, other_bad = _intra_forward_filled(packed, dtype, seed)
+    other, other_bad = _intra_forward_filled(packed, dtype, seed, unit_keys=True)
     assert torch.equal(single_bad, other_bad)
     for name, expected in single.items():
         got = other[name].double()
