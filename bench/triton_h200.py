@@ -76,6 +76,10 @@ VARIANTS: list[dict] = [
     # six tiles only (sm_90a: diagonal 5,037 -> 5,527 warp-instructions a program, 168 registers
     # as before; inverse 4,024 -> 656)
     dict(DIAGONAL_INVERTS=True),
+    # programmatic dependent launch between the forward's six launches (each waits at its start
+    # for the one ahead, which lets it onto the GPU at its own start)
+    dict(DEPENDENT_LAUNCHES=True),
+    dict(DEPENDENT_LAUNCHES=True, DIAGONAL_INVERTS=True),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 CHUNK = 64
 TILES = 10  # the 16x16 tiles of a chunk matrix on and below its diagonal, the ones stored
@@ -86,6 +87,11 @@ DECAYED_ERASE_KEYS_IN_WK = False
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
+# Programmatic dependent launch (compute capability 9 and up): each forward launch is let onto the
+# GPU while the one ahead of it is still running (that one allows it at its programs' start), and
+# its programs wait at their start until the launch ahead has finished and its writes are
+# visible: the gap between two launches closes. Untimed.
+DEPENDENT_LAUNCHES = False
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
 # these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
@@ -103,6 +109,24 @@ def register_cap(launch: str) -> dict:
     """The launch option capping ``launch``'s registers, if ``MAX_REGISTERS`` names it."""
     cap = MAX_REGISTERS.get(launch)
     return {} if cap is None else dict(maxnreg=cap)
+
+
+def dependent_launch(device: torch.device) -> dict:
+    """The launch option and the kernels' ``DEPENDENT`` flag of ``DEPENDENT_LAUNCHES``: on a CUDA
+    device of compute capability 9 or more only (the interpreter has no grid dependency control)."""
+    on = DEPENDENT_LAUNCHES and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return dict(DEPENDENT=True, launch_pdl=True) if on else dict(DEPENDENT=False)
+
+
+@triton.jit
+def _after_launch_ahead(DEPENDENT: tl.constexpr):
+    """With ``DEPENDENT``: wait until the launch ahead has finished (every load and store of this
+    program comes after: a buffer it reads may be that launch's output, one it writes may have
+    been that launch's input), then allow the next launch onto the GPU. Each launch's wait
+    follows the one ahead's, so a launch also sees the writes of every launch before that."""
+    if DEPENDENT:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -327,12 +351,13 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 10, 16, 16] (A float32; P float32 or bfloat16): this launch writes their diagonal tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, INVERT: tl.constexpr,
+    STAGES: tl.constexpr, INVERT: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
     products in ``DOT`` precision). With ``INVERT``, A's tile read back whole and X's diagonal
     tile ``(I + A_II)^{-1}`` (``_doubled_inverse``) stored in its place."""
+    _after_launch_ahead(DEPENDENT)
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
@@ -540,7 +565,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -552,6 +577,7 @@ def _intra_forward_kernel(
     products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
     NaN or +inf g: ``key_first_bad_out``)."""
+    _after_launch_ahead(DEPENDENT)
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -574,6 +600,7 @@ def _inverse_kernel(
     PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
     DOUBLING: tl.constexpr,  # the diagonal tiles by recursive doubling (INVERSE_DOUBLING)
     DIAGONAL_DONE: tl.constexpr,  # X's diagonal tiles already in A's (DIAGONAL_INVERTS)
+    DEPENDENT: tl.constexpr,  # dependent_launch
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
@@ -584,6 +611,7 @@ def _inverse_kernel(
     sm_90a at one warp: 96 registers and no spills with TF32 products (the default), 255 and 140 B
     of spills with exact float32 ones ("ieee"); TF32 took the forward from 2.312 to 2.283 ms and
     from 2.208 to 2.181 ms, the errors against the spec unchanged at the check shapes."""
+    _after_launch_ahead(DEPENDENT)
     chunk = tl.program_id(0).to(tl.int64)
     A = _chunk_matrix(A, chunk)
     X_out = _chunk_matrix(X_out, chunk)
@@ -787,6 +815,7 @@ def _wy_kernel(
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
@@ -794,6 +823,7 @@ def _wy_kernel(
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
     of its Wk is stored (one program per chunk, distinct columns per step). With
     ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored."""
+    _after_launch_ahead(DEPENDENT)
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -835,8 +865,7 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, INVERT=DIAGONAL_INVERTS, num_warps=DIAGONAL_WARPS,
-        num_stages=1,
-        **register_cap("diagonal"),
+        num_stages=1, **register_cap("diagonal"), **dependent_launch(q.device),
     )
 
 
@@ -867,17 +896,17 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        **register_cap("intra_forward"),
+        **register_cap("intra_forward"), **dependent_launch(q.device),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, DOUBLING=INVERSE_DOUBLING,
                                   DIAGONAL_DONE=DIAGONAL_INVERTS, num_warps=INVERSE_WARPS, num_stages=1,
-                                  **register_cap("inverse"))
+                                  **register_cap("inverse"), **dependent_launch(q.device))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
         BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
-        num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
+        num_warps=WY_WARPS, num_stages=1, **register_cap("wy"), **dependent_launch(q.device),
     )
 
 
@@ -888,8 +917,9 @@ def _state_forward_kernel(
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
+    _after_launch_ahead(DEPENDENT)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -985,7 +1015,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
         SPLIT=state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
-        **register_cap("state_forward"),
+        **register_cap("state_forward"), **dependent_launch(Wk.device),
     )
 
 
@@ -994,7 +1024,9 @@ def _output_kernel(
     qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 10, 16, 16], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    _after_launch_ahead(DEPENDENT)
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -1038,7 +1070,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
-        num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"),
+        num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"), **dependent_launch(o.device),
     )
 
 
