@@ -338,7 +338,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
     out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
-                      dict(PRECISION=dot, DOUBLING=fk.INVERSE_DOUBLING, DIAGONAL_DONE=fk.DIAGONAL_INVERTS,
+                      dict(PRECISION=dot, DOUBLING=fk.INVERSE_DOUBLING, DOUBLING_PRECISION=fk.doubling_precision(dot),
+                           DIAGONAL_DONE=fk.DIAGONAL_INVERTS,
                            DEPENDENT=fk.DEPENDENT_LAUNCHES),
                       fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = [] if fk.INVERSE_DOUBLING or fk.DIAGONAL_INVERTS else [15]  # the substitution's rows
@@ -358,7 +359,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {},
         dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES,
-             INVERT=fk.DIAGONAL_INVERTS, DEPENDENT=fk.DEPENDENT_LAUNCHES),
+             INVERT=fk.DIAGONAL_INVERTS, INVERT_PRECISION=fk.doubling_precision(dot), DEPENDENT=fk.DEPENDENT_LAUNCHES),
         fk.DIAGONAL_WARPS,
     )
     LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]

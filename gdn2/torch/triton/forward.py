@@ -72,6 +72,9 @@ INVERSE_DOUBLING = False
 # The diagonal launch inverts its own A tile (recursive doubling, after its stores) and leaves
 # X's diagonal tile in A's place; the inverse launch then makes the other six tiles only.
 DIAGONAL_INVERTS = False
+# The precision of the doubling's products (either place): None, the operator's dot precision
+# (TF32 on the GPU, as the off-diagonal tiles' blocked products); "ieee" or "tf32x3" more exact.
+DOUBLING_PRECISION: str | None = None
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
@@ -109,6 +112,11 @@ def register_cap(launch: str) -> dict:
     """The launch option capping ``launch``'s registers, if ``MAX_REGISTERS`` names it."""
     cap = MAX_REGISTERS.get(launch)
     return {} if cap is None else dict(maxnreg=cap)
+
+
+def doubling_precision(dot_precision: str) -> str:
+    """The precision of the recursive doubling's products (``DOUBLING_PRECISION``)."""
+    return dot_precision if DOUBLING_PRECISION is None else DOUBLING_PRECISION
 
 
 def dependent_launch(device: torch.device) -> dict:
@@ -351,12 +359,13 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 10, 16, 16] (A float32; P float32 or bfloat16): this launch writes their diagonal tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, INVERT: tl.constexpr, DEPENDENT: tl.constexpr,
+    STAGES: tl.constexpr, INVERT: tl.constexpr, INVERT_PRECISION: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
     products in ``DOT`` precision). With ``INVERT``, A's tile read back whole and X's diagonal
-    tile ``(I + A_II)^{-1}`` (``_doubled_inverse``) stored in its place."""
+    tile ``(I + A_II)^{-1}`` (``_doubled_inverse``, products in ``INVERT_PRECISION``) stored in
+    its place."""
     _after_launch_ahead(DEPENDENT)
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -373,7 +382,7 @@ def _diagonal_kernel(
                         _chunk_matrix(P_out, i_bh * N + i_n) + tile, A_tile, first, end, H * K, K, BK, DOT, STAGES)
     if INVERT:
         tl.debug_barrier()  # the tile's entries, stored by different lanes, all written
-        X = _doubled_inverse(_load_tile(A_tile, 0, 0), DOT)  # the tile as a matrix of its own
+        X = _doubled_inverse(_load_tile(A_tile, 0, 0), INVERT_PRECISION)  # the tile as a matrix of its own
         tl.debug_barrier()  # every lane's load done before the tile is overwritten
         _store_tile(A_tile, 0, 0, X)
 
@@ -599,6 +608,7 @@ def _inverse_kernel(
     X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
     PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
     DOUBLING: tl.constexpr,  # the diagonal tiles by recursive doubling (INVERSE_DOUBLING)
+    DOUBLING_PRECISION: tl.constexpr,  # of the doubling's products (doubling_precision)
     DIAGONAL_DONE: tl.constexpr,  # X's diagonal tiles already in A's (DIAGONAL_INVERTS)
     DEPENDENT: tl.constexpr,  # dependent_launch
 ):
@@ -623,7 +633,7 @@ def _inverse_kernel(
         _store_tile(X_out, 2, 2, X22)
         _store_tile(X_out, 3, 3, X33)
     else:
-        X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, PRECISION, DOUBLING)
+        X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, DOUBLING_PRECISION, DOUBLING)
     # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
     # through it, and all read before X's tiles overwrite them
     A10, A20, A21 = _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1)
@@ -864,7 +874,8 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, INVERT=DIAGONAL_INVERTS, num_warps=DIAGONAL_WARPS,
+        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, INVERT=DIAGONAL_INVERTS,
+        INVERT_PRECISION=doubling_precision(dot_precision), num_warps=DIAGONAL_WARPS,
         num_stages=1, **register_cap("diagonal"), **dependent_launch(q.device),
     )
 
@@ -899,6 +910,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         **register_cap("intra_forward"), **dependent_launch(q.device),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, DOUBLING=INVERSE_DOUBLING,
+                                  DOUBLING_PRECISION=doubling_precision(dot_precision),
                                   DIAGONAL_DONE=DIAGONAL_INVERTS, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"), **dependent_launch(q.device))
     _wy_kernel[(N, B * H)](
