@@ -390,7 +390,7 @@ def bench_language_models(args, device: Device, fla_class) -> list[dict]:
         rows.append(row)
         peak = f"  peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""
         print(f"  {name:30s} step {row['step_ms']:8.2f} ms  {row['tokens_per_second']:12,.0f} tokens/s{peak}", flush=True)
-        del model, optimizer, forward
+        model = optimizer = forward = None  # this row's model freed before the next one is built
     return rows
 
 

@@ -139,7 +139,6 @@ def data_parallel_row(ranks: Ranks, sizes: dict, dtype: str | None, seed: int) -
                      f"{sizes['hidden'] // sizes['heads']}, vocabulary {sizes['vocab']}",
                B_per_gpu=sizes["B"], T=sizes["T"], step_ms=ms, tokens_per_second=batch * sizes["T"] / (ms / 1e3),
                peak_gib_per_gpu=ranks.peak_gib())
-    del trainer
     return row
 
 

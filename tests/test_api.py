@@ -8,7 +8,6 @@ import warnings
 import numpy as np
 import pytest
 
-from gdn2 import paths
 from gdn2.spec import random_inputs
 
 FRAMEWORKS = ["torch", "mlx"]

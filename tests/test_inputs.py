@@ -14,7 +14,6 @@ mx = pytest.importorskip("mlx.core")
 
 import gdn2.mlx as gm  # noqa: E402
 import gdn2.torch as gt  # noqa: E402
-from gdn2.mlx import layer as mlx_layer  # noqa: E402
 from gdn2.torch import layer as torch_layer  # noqa: E402
 
 FRAMEWORKS = ["torch", "mlx"]
