@@ -51,7 +51,6 @@ class Compiled(NamedTuple):
     shared: int  # bytes of shared memory
     report: str  # ptxas -v
     sass: str  # nvdisasm of the cubin ("" unless asked for)
-    ptx: str
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
@@ -86,7 +85,7 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
         if disassemble:
             nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
             sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    return Compiled(compiled.metadata.shared, report, sass, compiled.asm["ptx"])
+    return Compiled(compiled.metadata.shared, report, sass)
 
 
 def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
@@ -331,22 +330,17 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
-             DEPENDENT=fk.DEPENDENT_LAUNCHES),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
     out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
-                      dict(PRECISION=dot, DOUBLING=fk.INVERSE_DOUBLING, DOUBLING_PRECISION=fk.doubling_precision(dot),
-                           DIAGONAL_DONE=fk.DIAGONAL_INVERTS,
-                           DEPENDENT=fk.DEPENDENT_LAUNCHES),
-                      fk.INVERSE_WARPS)
-    LOOP_TRIPS["inverse"] = [] if fk.INVERSE_DOUBLING or fk.DIAGONAL_INVERTS else [15]  # the substitution's rows
+                      dict(PRECISION=dot), fk.INVERSE_WARPS)
+    LOOP_TRIPS["inverse"] = []
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
-                     PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16",
-                     DEPENDENT=fk.DEPENDENT_LAUNCHES)
+                     PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16")
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
@@ -358,8 +352,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {},
-        dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES,
-             INVERT=fk.DIAGONAL_INVERTS, INVERT_PRECISION=fk.doubling_precision(dot), DEPENDENT=fk.DEPENDENT_LAUNCHES),
+        dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES),
         fk.DIAGONAL_WARPS,
     )
     LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]
@@ -371,8 +364,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
                  PACKED=packed, STAGES=state_stages,
-                 SPLIT=fk.state_split_products(saved("Wk") == saved("kd") == "bf16", state_stages),
-                 DEPENDENT=fk.DEPENDENT_LAUNCHES),
+                 SPLIT=fk.state_split_products(saved("Wk") == saved("kd") == "bf16", state_stages)),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]
@@ -382,8 +374,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=fk.chunk_value_block(V), DOT=dot, PACKED=packed,
-             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16",
-             DEPENDENT=fk.DEPENDENT_LAUNCHES),
+             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
         fk.OUTPUT_WARPS,
     )
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]

@@ -123,50 +123,6 @@ def test_instructions_option_runs():
     assert re.search(r"dynamic per launch: [\d,]+ programs", out), out
 
 
-DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {bench!r})
-    import kernel_resources as tool
-
-    for on in (False, True):
-        tool.set_launch(dict(DEPENDENT_LAUNCHES=on))
-        for name, (kernel, pointers, scalars, constants, warps) in tool.kernels(64, 64, "bf16", "tf32").items():
-            if name in ("diagonal", "intra_forward", "inverse", "wy", "state_forward", "output"):
-                ptx = tool.build(kernel, pointers, scalars, constants, warps).ptx
-                print(on, name, ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"))
-""")
-
-
-def test_dependent_launches_reach_every_forward_kernel(tmp_path):
-    """``DEPENDENT_LAUNCHES`` puts the grid dependency waits and the launch of the next kernel into
-    each of the forward's six kernels as compiled for sm_90a, at their start; off, none. (That the
-    GPU runs them right is for the H200 checks of ``bench/triton_h200.py``: the interpreter has no
-    grid dependency control, and ``dependent_launch`` keeps them off there.)"""
-    script = tmp_path / "dependent_launch_ptx.py"
-    script.write_text(DEPENDENT_LAUNCH_PTX.format(bench=str(ROOT / "bench")))
-    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_compiled_mode_env(), capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = {(on, name): (int(wait), int(launch))
-              for on, name, wait, launch in (line.split() for line in run.stdout.splitlines())}
-    assert len(counts) == 12, run.stdout
-    for (on, name), (wait, launch) in counts.items():
-        assert (wait, launch) == ((1, 1) if on == "True" else (0, 0)), (on, name, wait, launch)
-
-
-def test_dependent_launch_is_off_in_the_interpreter(monkeypatch):
-    """On the CPU (the interpreter) the flag and the launch option stay off whatever
-    ``DEPENDENT_LAUNCHES`` says."""
-    import torch
-
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "DEPENDENT_LAUNCHES", True)
-    assert forward.dependent_launch(torch.device("cpu")) == dict(DEPENDENT=False)
-    monkeypatch.setattr(forward, "DEPENDENT_LAUNCHES", False)
-    assert forward.dependent_launch(torch.device("cpu")) == dict(DEPENDENT=False)
-
-
 def test_interpreter_refused():
     env = _compiled_mode_env()
     env["TRITON_INTERPRET"] = "1"

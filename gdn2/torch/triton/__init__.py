@@ -14,8 +14,8 @@ PyTorch custom operators (with their autograd) built from these launches:
 
 Matrix products run in float32 accumulation. On a GPU, the large products use TF32 by default
 (``GDN2_TRITON_DOT=tf32``); ``tf32x3`` or ``ieee`` trade speed for float32-exact products. The
-inverse of ``I + A`` has its diagonal 16x16 tiles from forward substitution in float32 and the
-others from 16x16 products in that precision. Under the Triton
+inverse of ``I + A`` is made of 16x16 products in that precision too (its diagonal tiles by
+recursive doubling, the others by the blocked formula). Under the Triton
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
 inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (by default the chunk states, the decayed
 queries and keys, Wk and U) are kept in bfloat16.

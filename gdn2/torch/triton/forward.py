@@ -48,7 +48,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 CHUNK = 64
 TILES = 10  # the 16x16 tiles of a chunk matrix on and below its diagonal, the ones stored
@@ -65,16 +64,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
-# X's diagonal 16x16 tiles by recursive doubling (blocks of 2, 4, 8 inverted, then joined: two
-# products a level, in the dot precision) in place of forward substitution (15 dependent
-# steps, exact float32): the blocked formula the off-diagonal tiles use, taken down inside a tile.
-INVERSE_DOUBLING = False
-# The diagonal launch inverts its own A tile (recursive doubling, after its stores) and leaves
-# X's diagonal tile in A's place; the inverse launch then makes the other six tiles only.
-DIAGONAL_INVERTS = False
-# The precision of the doubling's products (either place): None, the operator's dot precision
-# (TF32 on the GPU, as the off-diagonal tiles' blocked products); "ieee" or "tf32x3" more exact.
-DOUBLING_PRECISION: str | None = None
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
@@ -90,11 +79,6 @@ DECAYED_ERASE_KEYS_IN_WK = False
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
-# Programmatic dependent launch (compute capability 9 and up): each forward launch is let onto the
-# GPU while the one ahead of it is still running (that one allows it at its programs' start), and
-# its programs wait at their start until the launch ahead has finished and its writes are
-# visible: the gap between two launches closes. Untimed.
-DEPENDENT_LAUNCHES = False
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
 # these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
@@ -104,37 +88,17 @@ STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have
 # took it from 125 to 143 registers, two programs a multiprocessor against four: 128 gives back
 # four, without spills. The contraction launch with U saved in bfloat16: 130 registers, two
 # programs a multiprocessor; 128 gives back four, without spills (95 with U in float32). No cap
-# helped the WY, output, diagonal, inverse or intra-forward launch.
-MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}
+# helped the WY, output, diagonal or intra-forward launch. The inverse launch (X's diagonal
+# tiles by recursive doubling: 146 registers) at 128, 4 B of spills: forward 1.947 -> 1.941 ms
+# and 1.992 -> 1.981 at the first and third shapes.
+MAX_REGISTERS: dict[str, int] = {"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128,
+                                 "inverse": 128}
 
 
 def register_cap(launch: str) -> dict:
     """The launch option capping ``launch``'s registers, if ``MAX_REGISTERS`` names it."""
     cap = MAX_REGISTERS.get(launch)
     return {} if cap is None else dict(maxnreg=cap)
-
-
-def doubling_precision(dot_precision: str) -> str:
-    """The precision of the recursive doubling's products (``DOUBLING_PRECISION``)."""
-    return dot_precision if DOUBLING_PRECISION is None else DOUBLING_PRECISION
-
-
-def dependent_launch(device: torch.device) -> dict:
-    """The launch option and the kernels' ``DEPENDENT`` flag of ``DEPENDENT_LAUNCHES``: on a CUDA
-    device of compute capability 9 or more only (the interpreter has no grid dependency control)."""
-    on = DEPENDENT_LAUNCHES and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return dict(DEPENDENT=True, launch_pdl=True) if on else dict(DEPENDENT=False)
-
-
-@triton.jit
-def _after_launch_ahead(DEPENDENT: tl.constexpr):
-    """With ``DEPENDENT``: wait until the launch ahead has finished (every load and store of this
-    program comes after: a buffer it reads may be that launch's output, one it writes may have
-    been that launch's input), then allow the next launch onto the GPU. Each launch's wait
-    follows the one ahead's, so a launch also sees the writes of every launch before that."""
-    if DEPENDENT:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -200,43 +164,15 @@ def _split_dot(a, b, acc):
 
 
 @triton.jit
-def _inverse_unit_lower_16_four(A0, A1, A2, A3):
-    """``(I + A)^{-1}`` for four strictly lower 16x16 matrices (``A0`` .. ``A3`` at each tile's
-    first entry, row-major, zero on and above the diagonal) by forward substitution (exact
-    order), in one loop so that the four independent chains of row reductions overlap. A's rows
-    are loaded from memory step by step (no A tile held: one warp, 96 registers against 168 with
-    the tiles in registers, whose rows cost a reduction each; both 2.00 ms forward on the H200)."""
-    r = tl.arange(0, 16)
-    X0 = (r[:, None] == r[None, :]).to(tl.float32)
-    X1 = X0
-    X2 = X0
-    X3 = X0
-    for i in range(1, 16):
-        at_i = r[:, None] == i
-        X0 = _substitute_row(X0, tl.load(A0 + i * 16 + r), at_i)
-        X1 = _substitute_row(X1, tl.load(A1 + i * 16 + r), at_i)
-        X2 = _substitute_row(X2, tl.load(A2 + i * 16 + r), at_i)
-        X3 = _substitute_row(X3, tl.load(A3 + i * 16 + r), at_i)
-    return X0, X1, X2, X3
-
-
-@triton.jit
-def _inverse_unit_lower_16_doubling(A0, A1, A2, A3, PRECISION: tl.constexpr):
-    """``_inverse_unit_lower_16_four`` by recursive doubling (``_doubled_inverse`` on each tile;
-    the four chains independent, side by side)."""
-    r = tl.arange(0, 16)
-    entries = r[:, None] * 16 + r[None, :]
-    return (_doubled_inverse(tl.load(A0 + entries), PRECISION), _doubled_inverse(tl.load(A1 + entries), PRECISION),
-            _doubled_inverse(tl.load(A2 + entries), PRECISION), _doubled_inverse(tl.load(A3 + entries), PRECISION))
-
-
-@triton.jit
 def _doubled_inverse(A, PRECISION: tl.constexpr):
     """``(I + A)^{-1}`` for a strictly lower 16x16 ``A`` (float32, zero on and above the diagonal)
     by recursive doubling: with ``Y`` the inverse of the block-diagonal part of ``I + A`` in blocks
     of b, the blocks of 2b are ``Y - Y C Y``, C the entries of A in the lower b-block of each
     2b-block (for [[D1, 0], [C, D2]] the inverse's lower block is ``-X2 C X1``). Blocks of 2 need
-    no product (``I - C``); 4, 8 and 16 take two products each in ``PRECISION``."""
+    no product (``I - C``); 4, 8 and 16 take two products each in ``PRECISION``: six dependent
+    products where forward substitution takes 15 dependent row steps (H200: forward 1.983 ->
+    1.947 ms at B=8 T=4096 H=16 K=V=128, 2.049 -> 1.992 at B=16 T=2048 H=32 K=V=64; the errors
+    against the spec unchanged at the check shapes)."""
     r = tl.arange(0, 16)
     X = (r[:, None] == r[None, :]).to(tl.float32) - tl.where(r[:, None] // 2 == r[None, :] // 2, A, 0.0)
     for level in tl.static_range(1, 4):
@@ -244,13 +180,6 @@ def _doubled_inverse(A, PRECISION: tl.constexpr):
         joined = (r[:, None] // (2 * b) == r[None, :] // (2 * b)) & (r[:, None] // b != r[None, :] // b)
         X -= tl.dot(tl.dot(X, tl.where(joined, A, 0.0), input_precision=PRECISION), X, input_precision=PRECISION)
     return X
-
-
-@triton.jit
-def _substitute_row(X, a_row, at_i):
-    """Row i (``at_i``) of ``(I + A)^{-1}`` from the rows before it, ``a_row`` = A[i, :] (zero from
-    column i on)."""
-    return tl.where(at_i, X - tl.sum(a_row[:, None] * X, 0)[None, :], X)
 
 
 @triton.jit
@@ -359,14 +288,11 @@ def _diagonal_kernel(
     q, k, g, b,  # inputs [B, T, H, K]
     P_out, A_out,  # [B, H, N, 10, 16, 16] (A float32; P float32 or bfloat16): this launch writes their diagonal tiles
     chunk_table, T, H, K: tl.constexpr, N, BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, INVERT: tl.constexpr, INVERT_PRECISION: tl.constexpr, DEPENDENT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The diagonal 16x16 tiles of ``P`` (lower, with its diagonal) and ``A`` (strictly lower), one
     sub-block per program (``_diagonal_by_groups``: blocks of BK key columns, cross-group entries as
-    products in ``DOT`` precision). With ``INVERT``, A's tile read back whole and X's diagonal
-    tile ``(I + A_II)^{-1}`` (``_doubled_inverse``, products in ``INVERT_PRECISION``) stored in
-    its place."""
-    _after_launch_ahead(DEPENDENT)
+    products in ``DOT`` precision)."""
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_n = i_s // 4
@@ -377,14 +303,9 @@ def _diagonal_kernel(
     first = chunk_first + I * 16  # the sub-block's first token
     sequence = i_b * T * H * K + i_h * K
     tile = _tile_entry(I, I, 0, 0)  # the diagonal tile's first entry in its chunk's matrix
-    A_tile = _chunk_matrix(A_out, i_bh * N + i_n) + tile
     _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence,
-                        _chunk_matrix(P_out, i_bh * N + i_n) + tile, A_tile, first, end, H * K, K, BK, DOT, STAGES)
-    if INVERT:
-        tl.debug_barrier()  # the tile's entries, stored by different lanes, all written
-        X = _doubled_inverse(_load_tile(A_tile, 0, 0), INVERT_PRECISION)  # the tile as a matrix of its own
-        tl.debug_barrier()  # every lane's load done before the tile is overwritten
-        _store_tile(A_tile, 0, 0, X)
+                        _chunk_matrix(P_out, i_bh * N + i_n) + tile, _chunk_matrix(A_out, i_bh * N + i_n) + tile,
+                        first, end, H * K, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -574,7 +495,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, DEPENDENT: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -586,7 +507,6 @@ def _intra_forward_kernel(
     products of span exponentials, each <= 1), each sub-block's rows
     stored once final; and where the chunk's key-side inputs first go bad (a non-finite k or b, a
     NaN or +inf g: ``key_first_bad_out``)."""
-    _after_launch_ahead(DEPENDENT)
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -606,36 +526,22 @@ def _intra_forward_kernel(
 def _inverse_kernel(
     A,  # [B, H, N, 10, 16, 16] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
-    PRECISION: tl.constexpr,  # of the blocked products: the operator's dot precision
-    DOUBLING: tl.constexpr,  # the diagonal tiles by recursive doubling (INVERSE_DOUBLING)
-    DOUBLING_PRECISION: tl.constexpr,  # of the doubling's products (doubling_precision)
-    DIAGONAL_DONE: tl.constexpr,  # X's diagonal tiles already in A's (DIAGONAL_INVERTS)
-    DEPENDENT: tl.constexpr,  # dependent_launch
+    PRECISION: tl.constexpr,  # of every product: the operator's dot precision
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
-    read before X's tile in its place is written): the diagonal tiles by forward substitution in
-    float32 (``DOUBLING``: by ``_doubled_inverse``; ``DIAGONAL_DONE``: made by the diagonal launch,
-    copied), the others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ`` with
-    products in ``PRECISION``, each tile stored as soon as it is final, X's upper tiles zero.
-    sm_90a at one warp: 96 registers and no spills with TF32 products (the default), 255 and 140 B
-    of spills with exact float32 ones ("ieee"); TF32 took the forward from 2.312 to 2.283 ms and
-    from 2.208 to 2.181 ms, the errors against the spec unchanged at the check shapes."""
-    _after_launch_ahead(DEPENDENT)
+    read before X's tile in its place is written): the diagonal tiles by recursive doubling
+    (``_doubled_inverse``), the others by the blocked formula ``X_IJ = -X_II sum_{J <= M < I}
+    A_IM X_MJ``, products in ``PRECISION``, each tile stored as soon as it is final, X's upper
+    tiles zero. sm_90a at one warp: 146 registers, capped at 128 (``MAX_REGISTERS``, 4 B of
+    spills). TF32 in the blocked products took the forward from 2.312 to 2.283 ms and from 2.208
+    to 2.181 ms, the errors against the spec unchanged at the check shapes."""
     chunk = tl.program_id(0).to(tl.int64)
     A = _chunk_matrix(A, chunk)
     X_out = _chunk_matrix(X_out, chunk)
-    if DIAGONAL_DONE:  # copied to X's buffer (the same place when X is float32)
-        X00, X11, X22, X33 = _load_tile(A, 0, 0), _load_tile(A, 1, 1), _load_tile(A, 2, 2), _load_tile(A, 3, 3)
-        tl.debug_barrier()
-        _store_tile(X_out, 0, 0, X00)
-        _store_tile(X_out, 1, 1, X11)
-        _store_tile(X_out, 2, 2, X22)
-        _store_tile(X_out, 3, 3, X33)
-    else:
-        X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, DOUBLING_PRECISION, DOUBLING)
-    # A's tiles below the diagonal loaded after the substitution, so that they hold no registers
-    # through it, and all read before X's tiles overwrite them
+    X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, PRECISION)
+    # A's tiles below the diagonal loaded after the diagonal's inversion, so that they hold no
+    # registers through it, and all read before X's tiles overwrite them
     A10, A20, A21 = _load_tile(A, 1, 0), _load_tile(A, 2, 0), _load_tile(A, 2, 1)
     A30, A31, A32 = _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2)
     tl.debug_barrier()
@@ -742,17 +648,11 @@ def _blocked(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_inverse_diagonal(matrix, A, PRECISION: tl.constexpr, DOUBLING: tl.constexpr):
-    """X's diagonal tiles, returned too."""
-    if DOUBLING:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_doubling(
-            A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
-            A + _tile_entry(3, 3, 0, 0), PRECISION)
-    else:
-        X00, X11, X22, X33 = _inverse_unit_lower_16_four(
-            A + _tile_entry(0, 0, 0, 0), A + _tile_entry(1, 1, 0, 0), A + _tile_entry(2, 2, 0, 0),
-            A + _tile_entry(3, 3, 0, 0))
-    tl.debug_barrier()  # every row of A read before X's tiles overwrite them (X formed over A)
+def _store_inverse_diagonal(matrix, A, PRECISION: tl.constexpr):
+    """X's diagonal tiles (``_doubled_inverse``, the four side by side), returned too."""
+    X00, X11, X22, X33 = (_doubled_inverse(_load_tile(A, 0, 0), PRECISION), _doubled_inverse(_load_tile(A, 1, 1), PRECISION),
+                          _doubled_inverse(_load_tile(A, 2, 2), PRECISION), _doubled_inverse(_load_tile(A, 3, 3), PRECISION))
+    tl.debug_barrier()  # every entry of A read before X's tiles overwrite them (X formed over A)
     _store_tile(matrix, 0, 0, X00)
     _store_tile(matrix, 1, 1, X11)
     _store_tile(matrix, 2, 2, X22)
@@ -825,7 +725,6 @@ def _wy_kernel(
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
@@ -833,7 +732,6 @@ def _wy_kernel(
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
     of its Wk is stored (one program per chunk, distinct columns per step). With
     ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored."""
-    _after_launch_ahead(DEPENDENT)
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -874,9 +772,8 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, INVERT=DIAGONAL_INVERTS,
-        INVERT_PRECISION=doubling_precision(dot_precision), num_warps=DIAGONAL_WARPS,
-        num_stages=1, **register_cap("diagonal"), **dependent_launch(q.device),
+        PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, num_warps=DIAGONAL_WARPS,
+        num_stages=1, **register_cap("diagonal"),
     )
 
 
@@ -907,18 +804,16 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        **register_cap("intra_forward"), **dependent_launch(q.device),
+        **register_cap("intra_forward"),
     )
-    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, DOUBLING=INVERSE_DOUBLING,
-                                  DOUBLING_PRECISION=doubling_precision(dot_precision),
-                                  DIAGONAL_DONE=DIAGONAL_INVERTS, num_warps=INVERSE_WARPS, num_stages=1,
-                                  **register_cap("inverse"), **dependent_launch(q.device))
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
+                                  **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
         BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
-        num_warps=WY_WARPS, num_stages=1, **register_cap("wy"), **dependent_launch(q.device),
+        num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
 
@@ -929,9 +824,8 @@ def _state_forward_kernel(
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, DEPENDENT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    _after_launch_ahead(DEPENDENT)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -1027,7 +921,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
         SPLIT=state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
-        **register_cap("state_forward"), **dependent_launch(Wk.device),
+        **register_cap("state_forward"),
     )
 
 
@@ -1036,9 +930,7 @@ def _output_kernel(
     qd, P, states, U, first_bad, o,  # [B, H, N * 64, K], [B, H, N, 10, 16, 16], [B, H, N, K, V], [B, H, N * 64, V], [B, H, N, V], [B, T, H, V]
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCT: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
-    _after_launch_ahead(DEPENDENT)
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -1082,7 +974,7 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
-        num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"), **dependent_launch(o.device),
+        num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"),
     )
 
 
