@@ -357,7 +357,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     )
     LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]
     PROGRAMS["diagonal"] = 4 * chunks * heads
-    state_stages = fk.state_stages(bk)
+    state_stages = fk.state_stages(bk, chunks)
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,

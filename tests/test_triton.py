@@ -705,16 +705,19 @@ def test_precision_study_default_is_the_operators():
 def test_state_pass_widens_its_products_without_loads_ahead():
     """The state pass's split bfloat16 products only run with its loads issued ahead: Triton 3.6
     builds them without that wrong for the H200 (an illegal memory access at K = 256, which loads
-    nothing ahead; the widened products are right there, bench/RESULTS.md). At K <= 128 they run
-    (the form the H200 checks time)."""
+    nothing ahead, and an invalid shared memory read over a single chunk, N = 1, which Triton
+    compiles as a constant; the widened products are right there, bench/RESULTS.md). At K <= 128
+    over more than one chunk they run (the form the H200 checks time)."""
     from gdn2.torch.triton import forward
 
-    assert forward.state_stages(256) == 1
-    assert not forward.state_split_products(True, forward.state_stages(256))
+    for BK, N in ((256, 1), (256, 2), (256, 64), (16, 1), (64, 1), (128, 1)):
+        assert forward.state_stages(BK, N) == 1, (BK, N)
+        assert not forward.state_split_products(True, forward.state_stages(BK, N))
     for BK in (16, 64, 128):
-        assert forward.state_stages(BK) == forward.STATE_STAGES > 1
-        assert forward.state_split_products(True, forward.state_stages(BK))
-        assert not forward.state_split_products(False, forward.state_stages(BK))
+        for N in (2, 3, 64):
+            assert forward.state_stages(BK, N) == forward.STATE_STAGES > 1
+            assert forward.state_split_products(True, forward.state_stages(BK, N))
+            assert not forward.state_split_products(False, forward.state_stages(BK, N))
 
 
 def test_register_caps_name_launches():

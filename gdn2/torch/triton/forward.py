@@ -889,10 +889,12 @@ def value_block(V: int, programs_per_block: int) -> int:
     return block
 
 
-def state_stages(BK: int) -> int:
-    """The state pass's ``STAGES`` for BK key rows: loads one chunk ahead at K <= 128 only (the
-    shared memory)."""
-    return STATE_STAGES if BK <= 128 else 1
+def state_stages(BK: int, N: int) -> int:
+    """The state pass's ``STAGES`` for BK key rows and N chunks a row: loads one chunk ahead at
+    K <= 128 only (the shared memory), and only over more than one chunk: Triton makes N = 1 a
+    constant of the kernel, and its loop of one chunk then has nothing to load ahead (no
+    asynchronous copies in the sm_90a build, half the shared memory)."""
+    return STATE_STAGES if BK <= 128 and N > 1 else 1
 
 
 def state_split_products(bfloat16: bool, stages: int) -> bool:
@@ -900,7 +902,8 @@ def state_split_products(bfloat16: bool, stages: int) -> bool:
     (``_split_dot``): with ``STATE_BFLOAT16_PRODUCTS``, Wk and kd bfloat16 (``bfloat16``) and the
     loads issued ahead (``stages`` > 1). Triton 3.6 builds the split form without loads ahead
     wrong for the H200: an illegal memory access at K = 256 (bench/RESULTS.md), where the
-    widened form is right."""
+    widened form is right, and an invalid shared memory read over one chunk (N = 1: B=1 T=1 H=2
+    K=48 V=80, found by compute-sanitizer after a fault there), where ``state_stages`` is 1 now."""
     return STATE_BFLOAT16_PRODUCTS and bfloat16 and stages > 1
 
 
@@ -912,7 +915,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
-    stages = state_stages(BK)
+    stages = state_stages(BK, N)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
