@@ -340,11 +340,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["inverse"] = []
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
-                     PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16")
+                     PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16",
+                     INVERT=fk.WY_INVERTS)
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
-             first_bad_out="i32", chunk_table="i32"),
+             first_bad_out="i32", chunk_table="i32", A=f32),
         {}, wy_blocks, fk.WY_WARPS,
     )
     LOOP_TRIPS["wy"] = [key_blocks_of(wy_blocks["BK"]), -(-V // wy_blocks["BV"])]

@@ -70,6 +70,11 @@ VARIANTS: list[dict] = [
     # the inverse launch without its register cap (146 registers) and at two warps: 1.962 and 1.976 against 1.942 ms
     dict(MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
     dict(INVERSE_WARPS=2),
+    # X made by the WY launch, no inverse launch (sm_90a: 130 registers against 96, 18.8% occupancy
+    # against 31.2%; 16,492 warp-instructions a program against 9,068 + 2,360), and capped at 128 (25%, no spills)
+    dict(WY_INVERTS=True),
+    dict(WY_INVERTS=True, MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128,
+                                         "intra_backward_contract": 128, "inverse": 128, "wy": 128}),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 

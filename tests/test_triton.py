@@ -759,3 +759,36 @@ def test_doubling_inverts_a_strictly_lower_tile(seed, interpreter):
     for i in range(4):
         error = np.abs(X_t[i].double().numpy() - expected[i]).max() / np.abs(expected[i]).max()
         assert error < 1e-5, (i, error)
+
+
+@kernel_only
+@pytest.mark.parametrize("shape", [(2, 130, 2, 40, 24, (-20.0, 0.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))],
+                         ids=["K40-two-chunks", "K128"])
+def test_wy_launch_inverting_matches_spec(shape, seed, interpreter, monkeypatch):
+    """The forward with X made by the WY launch (``WY_INVERTS``, no inverse launch) against the
+    float64 spec: output, final state and every gradient."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "WY_INVERTS", True)
+    B, T, H, K, V, decay = shape
+    _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
+
+
+@pytest.mark.parametrize("packed, dtype, in_bfloat16", [
+    (False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, WIDEST_BFLOAT16)],
+    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest"])
+def test_wy_launch_inverting_fills_the_same_buffers(packed, dtype, in_bfloat16, seed, interpreter, monkeypatch):
+    """With ``WY_INVERTS`` every buffer the in-chunk launches fill is bit for bit the one of the
+    inverse launch's form (the same arithmetic in the same order, on inputs with hard resets, a
+    NaN in g and non-finite k and b), X formed over A when float32, X rounded to bfloat16 on its
+    store and read back as stored when it is bfloat16."""
+    from gdn2.torch.triton import forward
+
+    if in_bfloat16 is not None:
+        monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
+    expected, expected_bad = _intra_forward_filled(packed, dtype, seed)
+    monkeypatch.setattr(forward, "WY_INVERTS", True)
+    got, got_bad = _intra_forward_filled(packed, dtype, seed)
+    assert torch.equal(got_bad, expected_bad)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
