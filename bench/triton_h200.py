@@ -39,6 +39,7 @@ from gdn2.spec import reference_backward, reference_forward, random_inputs, rela
 from gdn2.testing import cuda_kernel_times
 from gdn2.paths import forget_announcements
 from gdn2.torch import chunk_gdn2, which_path
+from gdn2.torch.triton.forward import MAX_REGISTERS
 from kernel_resources import set_launch  # bench/, next to this script
 
 TIMING_SHAPES = [(8, 4096, 16, 128, 128), (2, 16384, 16, 128, 128), (16, 2048, 32, 64, 64)]
@@ -68,13 +69,12 @@ VARIANTS: list[dict] = [
     # b k exp(G) in bfloat16, written into Wk's buffer (1.985 against 1.994 ms forward)
     dict(DECAYED_ERASE_KEYS_IN_WK=True),
     # the inverse launch without its register cap (146 registers) and at two warps: 1.962 and 1.976 against 1.942 ms
-    dict(MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128, "intra_backward_contract": 128}),
+    dict(MAX_REGISTERS={launch: cap for launch, cap in MAX_REGISTERS.items() if launch != "inverse"}),
     dict(INVERSE_WARPS=2),
     # X made by the WY launch, no inverse launch (sm_90a: 130 registers against 96, 18.8% occupancy
     # against 31.2%; 16,492 warp-instructions a program against 9,068 + 2,360), and capped at 128 (25%, no spills)
     dict(WY_INVERTS=True),
-    dict(WY_INVERTS=True, MAX_REGISTERS={"intra_backward_keys": 128, "intra_backward_values": 128,
-                                         "intra_backward_contract": 128, "inverse": 128, "wy": 128}),
+    dict(WY_INVERTS=True, MAX_REGISTERS={**MAX_REGISTERS, "wy": 128}),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
