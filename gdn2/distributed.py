@@ -70,6 +70,12 @@ class TorchWorld(World):
 
         self.torch, self.dist = torch, dist
         if not dist.is_initialized():
+            # torch._dynamo imported first: imported while a group exists (DDP imports it), it keeps
+            # references to the group that outlive destroy_process_group, so the group's worker
+            # threads live on into interpreter shutdown, where one freeing a finished collective's
+            # tensors aborts the process ("terminate called without an active exception").
+            import torch._dynamo  # noqa: F401
+
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
             atexit.register(_destroy, dist)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -103,7 +109,7 @@ class TorchWorld(World):
 
 def _destroy(dist) -> None:
     """At exit: wait for every process, then close the group (a process closing it while another
-    still talks to it can abort that one)."""
+    still talks to it can abort that one), which joins its worker threads."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

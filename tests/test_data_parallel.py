@@ -84,6 +84,55 @@ def test_mlx_launch_two_processes(tmp_path, capsys):
     assert load_model(tmp_path / "two" / "model.safetensors")(mx.zeros((1, 5), dtype=mx.int32)).shape == (1, 5, 128)
 
 
+CLOSE_GROUP = """
+import gc, os, sys
+import torch
+from gdn2.distributed import TorchWorld, _destroy
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+world = TorchWorld(torch.device("cpu"))
+model = world.wrap(torch.nn.Linear(4, 4))  # DDP imports torch._dynamo, unless it was imported already
+model(torch.randn(2, 4)).sum().backward()
+del model
+gc.collect()
+during = threads()
+_destroy(world.dist)
+gc.collect()
+print(before, during, threads())
+"""
+
+
+def test_closing_the_group_joins_its_threads():
+    """The group of a torchrun process (``TorchWorld``), after a DDP model, closed as at exit
+    (``_destroy``): Gloo's worker threads are joined. Left running (the group kept alive by
+    references that torch._dynamo, imported after the group existed, holds), one freeing a
+    finished collective's tensors during interpreter shutdown aborted a process of
+    ``bench/multi_gpu.py`` about once in 15 runs."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.launchers import subprocess_environment
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads through /proc (Linux)")
+    pytest.importorskip("torch.distributed")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = dict(subprocess_environment(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0")
+    result = subprocess.run([sys.executable, "-c", CLOSE_GROUP], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    before, during, after = map(int, result.stdout.split()[-3:])
+    assert during > before, "the group started no threads: the test would not see them left running"
+    assert after == before, f"{after - before} threads left running after the group was closed"
+
+
 # ---- the split of a batch, in one process -----------------------------------------------------
 
 
