@@ -5,6 +5,7 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
 1. correctness on the GPU against the float64 spec (``gdn2.spec``) at small shapes, for gdn2's
    kernel path (and flash-linear-attention's with ``--check-fla``), with float32 and bfloat16
    inputs: output, final state and every gradient (a nonzero gradient flows into the final state);
+   and gdn2's on packed sequences (``cu_seqlens``) against the spec on each sequence alone;
 2. timing, side by side on the same inputs: forward and forward+backward in bfloat16 at the
    three shapes, and the peak memory of one forward+backward;
 3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first timed shape
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from gdn2.spec import reference_backward, reference_forward, random_inputs, relative_error
-from gdn2.testing import cuda_kernel_times
+from gdn2.testing import cuda_kernel_times, packed_case, run_torch
 from gdn2.paths import forget_announcements
 from gdn2.torch import chunk_gdn2, which_path
 from gdn2.torch.triton.forward import MAX_REGISTERS
@@ -53,6 +54,13 @@ CHECK_SHAPES = [
     (1, 1, 2, 48, 80, (-20.0, 0.0)),
     (2, 100, 2, 16, 16, (-20.0, 0.0)),
     (1, 700, 2, 256, 256, (-3.0, 0.0)),  # K = 256 over many chunks (the state pass without loads ahead)
+]
+# (sequence lengths, H, K, V): packed in one row (cu_seqlens), g in [-20, 0], an initial and a
+# final state per sequence: sequences shorter than, as long as and longer than a chunk, one token,
+# an empty one.
+PACKED_CHECK_SHAPES = [
+    ([1, 63, 64, 65, 200, 0, 130, 17], 2, 128, 128),
+    ([300, 5, 0, 77], 2, 64, 64),
 ]
 # Launch-setting variants of gdn2 go here (module constants of its kernel launchers, e.g.
 # ``dict(STATE_WARPS=8)``), timed at every timed shape and checked (``--variants``); the
@@ -114,6 +122,15 @@ def check(function, shape, dtype, seed):
     for name, value in got.items():
         errors[name] = math.inf if value is None else relative_error(value.detach().double().cpu().numpy(), want[name])
     return errors
+
+
+def check_packed(lengths, H, K, V, dtype, seed, device="cuda"):
+    """Relative errors of gdn2's kernel path on sequences packed in one row (``cu_seqlens``)
+    against the float64 spec on each sequence alone: o, the final states and every gradient (a
+    nonzero gradient flows into every final state)."""
+    case = packed_case(seed, lengths, H=H, K=K, V=V)
+    result = run_torch(case, str(dtype).rsplit(".", 1)[-1], 64, "kernel", device=device)
+    return {name: relative_error(value, case["expected"][name]) for name, value in result.items()}
 
 
 def timing_inputs(B, T, H, K, V, dtype, seed=0):
@@ -240,20 +257,30 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
-    def checked(name, function, dtype, index):
-        shape = CHECK_SHAPES[index]
+    def checked_errors(name, dtype, label, row, errors_of):
+        """The row of one check: ``errors_of()``'s errors (an exception's message instead)."""
         try:
             with no_fallback():  # a fallback is never reported as the kernel's accuracy
-                errors = check(function, shape, dtype, args.seed + index)
+                errors = errors_of()
         except Exception as error:  # report, keep going
             errors = {"error": f"{type(error).__name__}: {error}"[:300]}
         worst = max((v for v in errors.values() if isinstance(v, float)), default=math.inf)
-        row = dict(impl=name, dtype=str(dtype).rsplit(".", 1)[-1], shape=list(shape[:5]), log_decay=list(shape[5]),
-                   errors=errors, worst=worst)
-        print(f"check {name:5s} {row['dtype']:9s} {shape[:5]} g{shape[5]}: o {errors.get('o', math.nan):.2e} "
+        row = dict(impl=name, dtype=str(dtype).rsplit(".", 1)[-1], **row, errors=errors, worst=worst)
+        print(f"check {name:5s} {row['dtype']:9s} {label}: o {errors.get('o', math.nan):.2e} "
               f"worst {worst:.2e} ({max(errors, key=lambda n: errors[n] if isinstance(errors[n], float) else 0)})",
               flush=True)
         return row
+
+    def checked(name, function, dtype, index):
+        shape = CHECK_SHAPES[index]
+        return checked_errors(name, dtype, f"{shape[:5]} g{shape[5]}", dict(shape=list(shape[:5]), log_decay=list(shape[5])),
+                              lambda: check(function, shape, dtype, args.seed + index))
+
+    def checked_packed(dtype, index):
+        lengths, H, K, V = PACKED_CHECK_SHAPES[index]
+        return checked_errors("gdn2", dtype, f"packed {lengths} H={H} K={K} V={V} g(-20.0, 0.0)",
+                              dict(packed=lengths, shape=[1, sum(lengths), H, K, V], log_decay=[-20.0, 0.0]),
+                              lambda: check_packed(lengths, H, K, V, dtype, args.seed + 100 + index))
 
     probe = [torch.zeros(1, 1, 1, 8, device="cuda")] * 6
     result["path"] = str(which_path(*probe, path="kernel"))
@@ -270,6 +297,10 @@ def main():
                         continue  # both at the two small shapes (and strong decay); gdn2 also at the others
                     result["check"].append(checked(name, function, dtype, index))
                     save()
+                if name == "gdn2":
+                    for index in range(len(PACKED_CHECK_SHAPES)):
+                        result["check"].append(checked_packed(dtype, index))
+                        save()
 
     result["timing"] = []
     for index in (int(s) for s in args.shapes.split(",") if s):

@@ -369,6 +369,23 @@ def test_native_packed_sequences_across_chunks(interpreter, seed):
         assert error <= 1e-4, (name, error, seed)
 
 
+@kernel_only
+def test_h200_bench_checks_packed_sequences(interpreter, seed, monkeypatch):
+    """``bench/triton_h200.py``'s packed check (the GPU's check of ``cu_seqlens`` on the kernel
+    path) run here on the CPU at a small size: every output and gradient, each within float32's
+    tolerance of the spec on each sequence alone."""
+    from pathlib import Path
+
+    from tests.bench_scripts import load_bench
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = load_bench("triton_h200", "triton_h200_packed_check")
+    assert all(0 in lengths for lengths, *_ in bench.PACKED_CHECK_SHAPES)  # an empty sequence at each shape
+    errors = bench.check_packed([1, 20, 0, 70], 1, 16, 8, torch.float32, seed, device="cpu")
+    assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "db", "dw", "dinitial_state"}
+    assert max(errors.values()) <= 1e-4, (errors, seed)
+
+
 def test_packed_input_reaches_the_kernels_unpadded(monkeypatch):
     """The dispatch hands packed input to the Triton backend as it is (the kernels take the
     offsets), not as a padded batch."""
