@@ -468,7 +468,8 @@ def run(ops: Ops, framework: str, comm: Collectives, operator, combine, q, k, v,
     """
     from .spec import _dtype_name, _shape, check_array_types, default_scale, validate
 
-    dims = validate(q, k, v, g, b, w, scale, None, chunk_size, None, framework=framework)  # this segment alone
+    dims = validate(q, k, v, g, b, w, scale, None, chunk_size, None, framework=framework,  # this segment alone
+                    output_final_state=output_final_state)
     B, T, H, K, V = dims.B, dims.T, dims.H, dims.K, dims.V
     segment = make_segment(comm, B, T, cu_seqlens, q)
     if initial_state is not None:

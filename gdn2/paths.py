@@ -170,7 +170,8 @@ def run(framework: Framework, q, k, v, g, b, w, *, scale, initial_state, output_
         path: str | None, cu_seqlens):
     """One ``chunk_gdn2`` call: validate, choose the path, log it once, run it (a failing kernel
     gives way to the chunk path). Returns ``(o, final_state or None)``."""
-    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens, framework=framework.name)
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens, framework=framework.name,
+                    output_final_state=output_final_state)
     scale = default_scale(dims.K, scale)
     choice = which_path(framework, q, k, v, g, b, w, initial_state, chunk_size, path)
     if not framework.tracing():
@@ -194,7 +195,8 @@ def run_recurrent(framework: Framework, q, k, v, g, b, w, *, scale, initial_stat
                   chunk_size: int, cu_seqlens):
     """One ``recurrent_gdn2`` call: the kernel where the framework's kernel is a scan and can run
     these arguments (a failure gives way to the reference path), else the reference path."""
-    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens, framework=framework.name)
+    dims = validate(q, k, v, g, b, w, scale, initial_state, chunk_size, cu_seqlens, framework=framework.name,
+                    output_final_state=output_final_state)
     scale = default_scale(dims.K, scale)
     inputs = dict(q=q, k=k, v=v, g=g, b=b, w=w)
     if framework.kernel_runs_recurrent:

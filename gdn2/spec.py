@@ -105,7 +105,8 @@ def check_array_types(arrays: dict, framework: str | None = None) -> str:
 
 
 def validate(
-    q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int = 64, cu_seqlens=None, *, framework: str | None = None
+    q, k, v, g, b, w, scale=None, initial_state=None, chunk_size: int = 64, cu_seqlens=None, *, framework: str | None = None,
+    output_final_state: bool = False,
 ) -> Dims:
     """Check types, shapes, dtypes and arguments of a GDN-2 call; return its sizes.
 
@@ -147,6 +148,8 @@ def validate(
         if _dtype_name(x) != dtype:
             also = " or float32" if name == "g" and dtype in ("float16", "bfloat16") else ""
             raise ValueError(f"{name}: expected dtype {dtype} (the dtype of q){also}, received {_dtype_name(x)}")
+    if not isinstance(output_final_state, (bool, np.bool_)):  # a truthy string or tensor is not a flag
+        raise ValueError(f"output_final_state: expected True or False, received {output_final_state!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an integer >= 1, received {chunk_size!r}")
     if isinstance(scale, (bool, np.bool_)):  # float(True) would be 1.0: a flag passed by mistake

@@ -60,6 +60,8 @@ BAD_INPUTS = [
     pytest.param(lambda x, m: dict(scale=float("nan")), "scale: expected a finite number > 0", id="scale-nan"),
     pytest.param(lambda x, m: dict(scale=-1.0), "scale: expected a finite number > 0", id="scale-negative"),
     pytest.param(lambda x, m: dict(path="fast"), "path: expected one of reference, chunk, kernel", id="path-unknown"),
+    pytest.param(lambda x, m: dict(output_final_state="no"), "output_final_state: expected True or False, received 'no'",
+                 id="output_final_state-string"),
 ]
 
 
