@@ -245,9 +245,9 @@ def main(argv=None) -> None:
     parser.add_argument("--T", type=int, default=4096, help="tokens, for --instructions' loop trips and programs")
     parser.add_argument("--H", type=int, default=16, help="heads, for --instructions' programs per launch")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="compile only these kernels (names as printed)")
-    parser.add_argument("--variant", nargs="+", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--variant", nargs="+", action="extend", default=[], metavar="NAME=VALUE",
                         help="set launch constants of the kernel modules first (VALUE a Python literal), e.g. "
-                             "INTRA_FORWARD_WARPS=4")
+                             "INTRA_FORWARD_WARPS=4; repeated, every one counts")
     parser.add_argument(
         "--instructions", action="store_true",
         help="disassemble each cubin (Triton's nvdisasm) and print: the static SASS instruction count by class "

@@ -83,6 +83,9 @@ VARIANTS: list[dict] = [
     # against 31.2%; 16,492 warp-instructions a program against 9,068 + 2,360), and capped at 128 (25%, no spills)
     dict(WY_INVERTS=True),
     dict(WY_INVERTS=True, MAX_REGISTERS={**MAX_REGISTERS, "wy": 128}),
+    # the same at eight warps (115 registers, 25%, no spills; 27,208 warp-instructions a program: the
+    # inverse's 16x16 products run in every warp)
+    dict(WY_INVERTS=True, WY_WARPS=8),
 ]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
