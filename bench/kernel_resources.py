@@ -386,11 +386,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32, d_leaving=f32,
              d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
-        fk.STATE_WARPS,
+        dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
+             HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed, LOADS_FIRST=bw.STATE_BACKWARD_LOADS_FIRST),
+        bw.STATE_BACKWARD_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]
-    PROGRAMS["state_backward"] = -(-V // fk.value_block(V, heads)) * heads
+    PROGRAMS["state_backward"] = -(-V // fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS)) * heads
     blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),
                   BV=min(bw.INTRA_BACKWARD_VALUE_BLOCK, max(32, triton.next_power_of_2(V))), C=64, DOT=dot,
                   PACKED=packed)

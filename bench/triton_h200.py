@@ -84,6 +84,11 @@ VARIANTS: list[dict] = [
     # the same at eight warps (115 registers, 25%, no spills; 27,208 warp-instructions a program: the
     # inverse's 16x16 products run in every warp)
     dict(WY_INVERTS=True, WY_WARPS=8),
+    # the reverse state pass with the state's gradient in blocks of 64 key rows (sm_90a, Triton 3.6:
+    # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B), and with every load of a
+    # chunk issued before its stores (1,351 and 316 B)
+    dict(STATE_BACKWARD_KEY_BLOCK=64),
+    dict(STATE_BACKWARD_LOADS_FIRST=True),
 ]
 
 

@@ -809,3 +809,75 @@ def test_wy_launch_inverting_fills_the_same_buffers(packed, dtype, in_bfloat16, 
     assert torch.equal(got_bad, expected_bad)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans):
+    """The reverse state pass in float64 on whole chunk matrices: per sequence (its chunks
+    ``spans``: (first chunk, end chunk, batch row) and its tokens), ``d_leaving``, ``d_U`` and
+    the gradient of the initial state."""
+    from gdn2.torch.triton.forward import full_chunk_matrices
+
+    P = full_chunk_matrices(P.double())
+    qd, kd, Wk, gamma, d_o = (x.double() for x in (qd, kd, Wk, gamma, d_o))
+    H, K, V = qd.shape[1], qd.shape[-1], d_o.shape[-1]
+    d_leaving = torch.zeros(qd.shape[0], H, P.shape[2], K, V, dtype=torch.float64)
+    d_U = torch.zeros(qd.shape[0], H, P.shape[2] * 64, V, dtype=torch.float64)
+    d_initial = torch.zeros(len(spans), H, K, V, dtype=torch.float64)
+    for s, (chunk_first, chunk_end, row, tokens) in enumerate(spans):
+        for h in range(H):
+            d_state = d_final[s, h].double().clone()
+            for n in reversed(range(chunk_first, chunk_end)):
+                d_leaving[row, h, n] = d_state
+                first, length = tokens[n - chunk_first]
+                d_out = torch.zeros(64, V, dtype=torch.float64)
+                d_out[:length] = d_o[row, first:first + length, h] * scale
+                rows = slice(64 * n, 64 * n + 64)
+                dU = P[row, h, n].T @ d_out + kd[row, h, rows] @ d_state
+                d_U[row, h, rows] = dU
+                d_state = gamma[row, h, n][:, None] * d_state + qd[row, h, rows].T @ d_out - Wk[row, h, rows].T @ dU
+            d_initial[s, h] = d_state
+    return d_leaving, d_U, d_initial
+
+
+@pytest.mark.parametrize("K, V, key_block, loads_first", [
+    (128, 64, 128, False), (128, 64, 64, False), (128, 64, 64, True), (200, 24, 128, False), (200, 24, 64, False),
+    (200, 24, 64, True), (40, 40, 32, False), (40, 40, 128, True)], ids=lambda x: str(x))
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_state_backward_key_blocks(K, V, key_block, loads_first, packed, seed, interpreter, monkeypatch):
+    """The reverse state pass alone, the state's gradient in one block of key rows or in two and
+    four (``STATE_BACKWARD_KEY_BLOCK``, K not a multiple of the block: a partial last one), its
+    loads before or after its stores, against the recurrence in float64: the gradient of the
+    state leaving each chunk, of U, and of the initial state; a partial last chunk, packed
+    sequences (a chunk table) with one of a single chunk."""
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(backward, "STATE_BACKWARD_KEY_BLOCK", key_block)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_LOADS_FIRST", loads_first)
+    rng = np.random.default_rng(seed)
+    H, scale = 2, 0.3
+    if packed:  # sequences of 100 and 30 tokens: chunks (0, 64), (64, 36), (100, 30)
+        B, T, N = 1, 130, 3
+        table = torch.tensor([[0, 64], [64, 36], [100, 30]], dtype=torch.int32)
+        sequence_chunks = torch.tensor([0, 2, 3], dtype=torch.int32)
+        spans = [(0, 2, 0, [(0, 64), (64, 36)]), (2, 3, 0, [(100, 30)])]
+    else:
+        B, T, N = 2, 150, 3
+        table = sequence_chunks = None
+        spans = [(0, N, row, [(0, 64), (64, 64), (128, 22)]) for row in range(B)]
+    saved = lambda *shape: torch.tensor(rng.standard_normal(shape) * 0.5, dtype=torch.float32)  # noqa: E731
+    qd, kd, Wk = (saved(B, H, N * 64, K) for _ in range(3))
+    for x in (qd, kd, Wk):  # padded rows are zero, as the forward leaves them
+        x[:, :, 64 * (N - 1) + (30 if packed else 22):] = 0.0
+    gamma = torch.tensor(rng.uniform(0.0, 1.0, (B, H, N, K)), dtype=torch.float32)
+    P = saved(B, H, N, 10, 16, 16)
+    d_o = saved(B, T, H, V)
+    d_final = saved(len(spans), H, K, V)
+    d_leaving = torch.full((B, H, N, K, V), float("nan"))
+    d_U = torch.full((B, H, N * 64, V), float("nan"))
+    d_initial = torch.full((len(spans), H, K, V), float("nan"))
+    backward.state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale, "ieee", table,
+                            sequence_chunks)
+    expected = _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans)
+    for name, got, want in zip(("d_leaving", "d_U", "d_initial"), (d_leaving, d_U, d_initial), expected):
+        error = (got.double() - want).abs().max() / want.abs().max()  # NaN (an entry not written) fails
+        assert error < 1e-5, (name, error)

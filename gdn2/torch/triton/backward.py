@@ -28,8 +28,57 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, STATE_WARPS, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
+from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
                       _sequence_chunks, _table, register_cap, value_block)
+
+
+# The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
+# STATE_BACKWARD_KEY_BLOCK key rows, value blocks shrunk until there are
+# STATE_BACKWARD_MIN_PROGRAMS programs. sm_90a, Triton 3.6 (bench/kernel_resources.py, bf16): at
+# K = V = 128 one block of 128 rows takes 1,224 instructions a chunk and 64 B of spills (the form
+# before the blocks, timed at 0.80 ms on the H200: 1,495 and 328 B), blocks of 64 1,310 and 344 B;
+# at K = 256 one block needs 128 KiB of shared memory (one program a multiprocessor), two blocks
+# of 128 the 112 KiB of the form before (two) with 2,892 instructions a chunk against 3,225.
+STATE_BACKWARD_WARPS = 4
+STATE_BACKWARD_KEY_BLOCK = 128
+STATE_BACKWARD_MIN_PROGRAMS = 256
+STATE_BACKWARD_LOADS_FIRST = False  # 1,351 instructions and 316 B of spills at K = V = 128
+
+
+@triton.jit
+def _state_rows(state, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr, V: tl.constexpr, cols_v, v_ok):
+    """Key rows ``b KB .. (b + 1) KB`` of a [K, V] float32 state (``state`` at its first entry)."""
+    cols_k = b * KB + tl.arange(0, KB)
+    return tl.load(state + cols_k[:, None] * V + cols_v[None, :], mask=(cols_k < K)[:, None] & v_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_state_rows(state, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr, V: tl.constexpr, cols_v, v_ok, rows):
+    cols_k = b * KB + tl.arange(0, KB)
+    tl.store(state + cols_k[:, None] * V + cols_v[None, :], rows, mask=(cols_k < K)[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _key_columns(x, row0, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
+    """Key columns ``b KB .. (b + 1) KB`` of a chunk's 64 rows of a ``[.., N * 64, K]`` buffer
+    (``row0``: the chunk's first row), as stored."""
+    rows = tl.arange(0, 64)
+    cols_k = b * KB + tl.arange(0, KB)
+    return tl.load(x + (row0 + rows[:, None]) * K + cols_k[None, :], mask=(cols_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
+    cols_k = b * KB + tl.arange(0, KB)
+    return tl.load(gamma + chunk * K + cols_k, mask=cols_k < K, other=0.0)
+
+
+@triton.jit
+def _entering(d_state, decay, qd_tile, Wk_tile, d_out, dU, DOT: tl.constexpr):
+    """Key rows of the gradient of the state entering a chunk: ``gamma dS + qd^T dO - Wk^T dU``
+    (``d_out`` scaled)."""
+    return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
+            - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
 
 
 @triton.jit
@@ -37,9 +86,14 @@ def _state_backward_kernel(
     qd, kd, Wk, gamma, P, d_o,  # [B, H, N * 64, K] x3, [B, H, N, K], [B, H, N, 10, 16, 16], [B, T, H, V]
     d_final, d_leaving, d_U, d_initial,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
-    BK: tl.constexpr, BV: tl.constexpr,
+    KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,
 ):
+    """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
+    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With
+    ``LOADS_FIRST``, all of a chunk's loads are issued before its stores (a load after a store
+    waits for it: for all the compiler knows, they may alias)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -47,40 +101,85 @@ def _state_backward_kernel(
     if PACKED:
         i_b = i_b * 0  # packed tokens are one batch row
     i_h = i_bh % H
+    BLOCKS: tl.constexpr = (K + KB - 1) // KB  # 1, 2 or 4
     rows = tl.arange(0, 64)
-    cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
-    k_ok = cols_k < K
     v_ok = cols_v < V
-    state_offsets = cols_k[:, None] * V + cols_v[None, :]
-    state_mask = k_ok[:, None] & v_ok[None, :]
+    d0 = tl.zeros((KB, BV), dtype=tl.float32)
+    d1 = tl.zeros((KB, BV), dtype=tl.float32)
+    d2 = tl.zeros((KB, BV), dtype=tl.float32)
+    d3 = tl.zeros((KB, BV), dtype=tl.float32)
     if HAS_FINAL:
-        d_state = tl.load(d_final + i_bh * K * V + state_offsets, mask=state_mask, other=0.0)
-    else:
-        d_state = tl.zeros((BK, BV), dtype=tl.float32)
+        d0 = _state_rows(d_final + i_bh * K * V, 0, KB, K, V, cols_v, v_ok)
+        if BLOCKS > 1:
+            d1 = _state_rows(d_final + i_bh * K * V, 1, KB, K, V, cols_v, v_ok)
+        if BLOCKS > 2:
+            d2 = _state_rows(d_final + i_bh * K * V, 2, KB, K, V, cols_v, v_ok)
+            d3 = _state_rows(d_final + i_bh * K * V, 3, KB, K, V, cols_v, v_ok)
     for step in range(chunk_end - chunk_first):
         i_n = chunk_end - 1 - step
-        tl.store(d_leaving + (head * N + i_n) * K * V + state_offsets, d_state, mask=state_mask)
+        chunk = head * N + i_n
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
         t = first + rows
+        row0 = chunk * 64
+        leaving = d_leaving + chunk * K * V
+        if not LOADS_FIRST:
+            _store_state_rows(leaving, 0, KB, K, V, cols_v, v_ok, d0)
+            if BLOCKS > 1:
+                _store_state_rows(leaving, 1, KB, K, V, cols_v, v_ok, d1)
+            if BLOCKS > 2:
+                _store_state_rows(leaving, 2, KB, K, V, cols_v, v_ok, d2)
+                _store_state_rows(leaving, 3, KB, K, V, cols_v, v_ok, d3)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
-        row0 = head * N * 64 + i_n * 64
-        keys = (row0 + rows[:, None]) * K + cols_k[None, :]
-        kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        P_tile = _load_chunk_matrix(_chunk_matrix(P, head * N + i_n))
-        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT) + tl.dot(kd_tile, d_state, input_precision=DOT)
+        P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
+        kd0 = _key_columns(kd, row0, 0, KB, K)
+        if BLOCKS > 1:
+            kd1 = _key_columns(kd, row0, 1, KB, K)
+        if BLOCKS > 2:
+            kd2 = _key_columns(kd, row0, 2, KB, K)
+            kd3 = _key_columns(kd, row0, 3, KB, K)
+        if LOADS_FIRST:
+            qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
+            if BLOCKS > 1:
+                qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
+            if BLOCKS > 2:
+                qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
+                qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
+            _store_state_rows(leaving, 0, KB, K, V, cols_v, v_ok, d0)
+            if BLOCKS > 1:
+                _store_state_rows(leaving, 1, KB, K, V, cols_v, v_ok, d1)
+            if BLOCKS > 2:
+                _store_state_rows(leaving, 2, KB, K, V, cols_v, v_ok, d2)
+                _store_state_rows(leaving, 3, KB, K, V, cols_v, v_ok, d3)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+        dU = tl.dot(kd0.to(tl.float32), d0, dU, input_precision=DOT)
+        if BLOCKS > 1:
+            dU = tl.dot(kd1.to(tl.float32), d1, dU, input_precision=DOT)
+        if BLOCKS > 2:
+            dU = tl.dot(kd2.to(tl.float32), d2, dU, input_precision=DOT)
+            dU = tl.dot(kd3.to(tl.float32), d3, dU, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
-        qd_tile = tl.load(qd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-        d_state = (
-            d_state * decay[:, None]
-            + tl.dot(tl.trans(qd_tile), d_out, input_precision=DOT)
-            - tl.dot(tl.trans(Wk_tile), dU, input_precision=DOT)
-        )
+        if not LOADS_FIRST:
+            qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
+            if BLOCKS > 1:
+                qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
+            if BLOCKS > 2:
+                qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
+                qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
+        d0 = _entering(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
+        if BLOCKS > 1:
+            d1 = _entering(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
+        if BLOCKS > 2:
+            d2 = _entering(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
+            d3 = _entering(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
     if STORE_INITIAL:
-        tl.store(d_initial + i_bh * K * V + state_offsets, d_state, mask=state_mask)
+        _store_state_rows(d_initial + i_bh * K * V, 0, KB, K, V, cols_v, v_ok, d0)
+        if BLOCKS > 1:
+            _store_state_rows(d_initial + i_bh * K * V, 1, KB, K, V, cols_v, v_ok, d1)
+        if BLOCKS > 2:
+            _store_state_rows(d_initial + i_bh * K * V, 2, KB, K, V, cols_v, v_ok, d2)
+            _store_state_rows(d_initial + i_bh * K * V, 3, KB, K, V, cols_v, v_ok, d3)
 
 
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
@@ -90,16 +189,27 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
     B, T, H, V = d_o.shape
     N, K = d_leaving.shape[2], d_leaving.shape[3]
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
-    BK = max(16, triton.next_power_of_2(K))
-    BV = value_block(V, rows * H)
+    KB = state_backward_key_block(K)
+    BV = value_block(V, rows * H, STATE_BACKWARD_MIN_PROGRAMS)
     _state_backward_kernel[(triton.cdiv(V, BV), rows * H)](
         qd, kd, Wk, gamma, P, d_o,
         d_final if d_final is not None else d_leaving, d_leaving, d_U,
         d_initial if d_initial is not None else d_leaving,
-        _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, BK=BK, BV=BV,
+        _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, num_warps=STATE_WARPS, num_stages=1, **register_cap("state_backward"),
+        PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST, num_warps=STATE_BACKWARD_WARPS,
+        num_stages=1, **register_cap("state_backward"),
     )
+
+
+def state_backward_key_block(K: int) -> int:
+    """Key rows of the state per block in the reverse pass (``STATE_BACKWARD_KEY_BLOCK``, at most
+    the padded K; four blocks at most)."""
+    BK = max(16, triton.next_power_of_2(K))
+    KB = min(STATE_BACKWARD_KEY_BLOCK, BK)
+    if BK > 4 * KB:
+        raise ValueError(f"STATE_BACKWARD_KEY_BLOCK: expected at least {BK // 4} for K={K}, received {KB}")
+    return KB
 
 
 # Launch settings measured on an H200 (bench/RESULTS.md): 32 key columns per block (16 was

@@ -896,11 +896,13 @@ def chunk_value_block(V: int) -> int:
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
-def value_block(V: int, programs_per_block: int) -> int:
+def value_block(V: int, programs_per_block: int, min_programs: int | None = None) -> int:
     """Columns of V per program in the sequential passes: smaller blocks when there are few heads,
-    so that the GPU has enough programs (at least about two per multiprocessor)."""
+    so that the GPU has at least ``min_programs`` programs (``STATE_MIN_PROGRAMS`` if None: about
+    two per multiprocessor)."""
+    min_programs = STATE_MIN_PROGRAMS if min_programs is None else min_programs
     block = chunk_value_block(V)
-    while block > 16 and programs_per_block * triton.cdiv(V, block) < STATE_MIN_PROGRAMS:
+    while block > 16 and programs_per_block * triton.cdiv(V, block) < min_programs:
         block //= 2
     return block
 
