@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
-                      _sequence_chunks, _table, register_cap, value_block)
+                      _sequence_chunks, _split_dot, _table, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -43,6 +43,11 @@ STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
 STATE_BACKWARD_LOADS_FIRST = False  # 1,351 instructions and 316 B of spills at K = V = 128
+# Products on bfloat16 operands where qd, kd, Wk and dO are bfloat16 (as the forward's
+# STATE_BFLOAT16_PRODUCTS): qd^T dO as stored (exact), kd dS and Wk^T dU on dS and dU split in two
+# bfloat16 parts, P^T dO on P split; no operand transposed through shared memory as TF32's must be
+# (K = V = 128: 85 shared stores a chunk against 217, 1,442 instructions against 1,224). Untimed.
+STATE_BACKWARD_SPLIT_PRODUCTS = False
 
 
 @triton.jit
@@ -74,11 +79,27 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _entering(d_state, decay, qd_tile, Wk_tile, d_out, dU, DOT: tl.constexpr):
-    """Key rows of the gradient of the state entering a chunk: ``gamma dS + qd^T dO - Wk^T dU``
-    (``d_out`` scaled)."""
-    return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
-            - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
+def _to_new_values(kd_tile, d_state, dU, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """``dU + kd dS`` for one block of key columns of kd (as stored) and rows of dS."""
+    if SPLIT:  # kd bfloat16 as stored, dS split (forward._split_dot)
+        dU = _split_dot(kd_tile, d_state, dU)
+    else:
+        dU = tl.dot(kd_tile.to(tl.float32), d_state, dU, input_precision=DOT)
+    return dU
+
+
+@triton.jit
+def _entering(d_state, decay, qd_tile, Wk_tile, d_out, dU, scale, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """Key rows of the gradient of the state entering a chunk: ``gamma dS + scale qd^T dO - Wk^T
+    dU``; ``d_out`` is dO scaled, or with ``SPLIT`` dO as stored (bfloat16, as qd: their product
+    is exact) and dU split."""
+    if SPLIT:
+        d_state = (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile), d_out) * scale
+                   - _split_dot(tl.trans(Wk_tile), dU, tl.zeros(d_state.shape, dtype=tl.float32)))
+    else:
+        d_state = (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
+                   - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
+    return d_state
 
 
 @triton.jit
@@ -88,12 +109,13 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    LOADS_FIRST: tl.constexpr,
+    LOADS_FIRST: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With
     ``LOADS_FIRST``, all of a chunk's loads are issued before its stores (a load after a store
-    waits for it: for all the compiler knows, they may alias)."""
+    waits for it: for all the compiler knows, they may alias). With ``SPLIT`` (qd, kd, Wk and dO
+    bfloat16) the products run on bfloat16 operands, dS, dU and P split in two parts."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -131,7 +153,9 @@ def _state_backward_kernel(
                 _store_state_rows(leaving, 2, KB, K, V, cols_v, v_ok, d2)
                 _store_state_rows(leaving, 3, KB, K, V, cols_v, v_ok, d3)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
+        if not SPLIT:
+            d_out = d_out.to(tl.float32) * scale
         P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -152,13 +176,18 @@ def _state_backward_kernel(
             if BLOCKS > 2:
                 _store_state_rows(leaving, 2, KB, K, V, cols_v, v_ok, d2)
                 _store_state_rows(leaving, 3, KB, K, V, cols_v, v_ok, d3)
-        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = tl.dot(kd0.to(tl.float32), d0, dU, input_precision=DOT)
+        if SPLIT:  # P split into two bfloat16 parts, dO as stored
+            P_high = P_tile.to(tl.bfloat16)
+            P_low = (P_tile - P_high.to(tl.float32)).to(tl.bfloat16)
+            dU = tl.dot(tl.trans(P_low), d_out, tl.dot(tl.trans(P_high), d_out)) * scale
+        else:
+            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+        dU = _to_new_values(kd0, d0, dU, DOT, SPLIT)
         if BLOCKS > 1:
-            dU = tl.dot(kd1.to(tl.float32), d1, dU, input_precision=DOT)
+            dU = _to_new_values(kd1, d1, dU, DOT, SPLIT)
         if BLOCKS > 2:
-            dU = tl.dot(kd2.to(tl.float32), d2, dU, input_precision=DOT)
-            dU = tl.dot(kd3.to(tl.float32), d3, dU, input_precision=DOT)
+            dU = _to_new_values(kd2, d2, dU, DOT, SPLIT)
+            dU = _to_new_values(kd3, d3, dU, DOT, SPLIT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
         if not LOADS_FIRST:
             qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
@@ -167,12 +196,12 @@ def _state_backward_kernel(
             if BLOCKS > 2:
                 qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
                 qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-        d0 = _entering(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
+        d0 = _entering(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, scale, DOT, SPLIT)
         if BLOCKS > 1:
-            d1 = _entering(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
+            d1 = _entering(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, scale, DOT, SPLIT)
         if BLOCKS > 2:
-            d2 = _entering(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
-            d3 = _entering(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
+            d2 = _entering(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, scale, DOT, SPLIT)
+            d3 = _entering(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, scale, DOT, SPLIT)
     if STORE_INITIAL:
         _store_state_rows(d_initial + i_bh * K * V, 0, KB, K, V, cols_v, v_ok, d0)
         if BLOCKS > 1:
@@ -197,7 +226,9 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST, num_warps=STATE_BACKWARD_WARPS,
+        PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST,
+        SPLIT=STATE_BACKWARD_SPLIT_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
+        num_warps=STATE_BACKWARD_WARPS,
         num_stages=1, **register_cap("state_backward"),
     )
 
