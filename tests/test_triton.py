@@ -176,6 +176,31 @@ def _bfloat16_products(monkeypatch, on: bool) -> None:
 
 
 @kernel_only
+def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
+    """The backward's gradients of U and of the states leaving each chunk kept in bfloat16
+    (``GRADIENTS_IN_BFLOAT16``, rounded on their store after the reverse pass used them in
+    float32): they are bfloat16 where the in-chunk backward reads them, and every gradient stays
+    within the bfloat16 tolerance of the spec on the same, rounded inputs (bench/saved_precision.py:
+    the kernels' own worst gradient error 1.06-1.17x the float32 buffers', median over seeds)."""
+    import gdn2.torch.triton as operator
+
+    monkeypatch.setattr(operator, "GRADIENTS_IN_BFLOAT16", ("d_U", "d_leaving"))
+    seen = {}
+    contract = operator.intra_backward_contract
+
+    def spy(states, U, d_o, d_leaving, d_U, *rest, **options):
+        seen.update(d_leaving=d_leaving.dtype, d_U=d_U.dtype)
+        return contract(states, U, d_o, d_leaving, d_U, *rest, **options)
+
+    monkeypatch.setattr(operator, "intra_backward_contract", spy)
+    case = _rounded_case(make_case(1, 140, 2, 64, 48, seed, log_decay_range=(-20.0, 0.0)), torch.bfloat16)
+    result = run_torch(case, "bfloat16", path="kernel")
+    assert seen == dict(d_leaving=torch.bfloat16, d_U=torch.bfloat16)
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 2e-2, (seed, name, errors)
+
+
+@kernel_only
 def test_state_backward_split_products_match_the_widened(seed, interpreter, monkeypatch):
     """The reverse state pass's products on bfloat16 operands (``STATE_BACKWARD_SPLIT_PRODUCTS``:
     qd^T dO as stored, dS, dU and P split) in the whole operator on bfloat16 inputs: every

@@ -60,7 +60,8 @@ def _state_rows(state, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr, V: tl
 @triton.jit
 def _store_state_rows(state, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr, V: tl.constexpr, cols_v, v_ok, rows):
     cols_k = b * KB + tl.arange(0, KB)
-    tl.store(state + cols_k[:, None] * V + cols_v[None, :], rows, mask=(cols_k < K)[:, None] & v_ok[None, :])
+    tl.store(state + cols_k[:, None] * V + cols_v[None, :], rows.to(state.dtype.element_ty),
+             mask=(cols_k < K)[:, None] & v_ok[None, :])
 
 
 @triton.jit
@@ -188,7 +189,7 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             dU = _to_new_values(kd2, d2, dU, DOT, SPLIT)
             dU = _to_new_values(kd3, d3, dU, DOT, SPLIT)
-        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU, mask=v_ok[None, :])
+        tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         if not LOADS_FIRST:
             qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
             if BLOCKS > 1:
@@ -301,10 +302,10 @@ def _intra_backward_contract_kernel(
         state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
         state_mask = k_ok[:, None] & v_ok[None, :]
         S = tl.load(states + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
-        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
+        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
         U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
+        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
         d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
@@ -352,7 +353,7 @@ def _intra_backward_values_kernel(
         v_ok = cols_v < V
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
         U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
+        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         value_mask = row_ok[:, None] & v_ok[None, :]
