@@ -4,7 +4,8 @@
 * ``state_backward`` (one program per head and block of value columns, reverse over chunks):
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
   values ``d_U = scale P^T dO + kd d_leaving``; finally the gradient of the initial state. It
-  reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here).
+  reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here),
+  and holds the state's gradient in blocks of key rows (``STATE_BACKWARD_KEY_BLOCK``).
 * ``intra_backward_contract`` (chunk x head x block of key columns): the state-sized contractions
   ``d_qd = scale dO S^T``, ``d_kd = U d_leaving^T``, ``d_bkd = -X^T (dU S^T)`` and ``d_gamma``.
 * ``intra_backward_values`` (chunk x head): ``dP = scale dO U^T``, ``d(wv) = X^T dU`` (dv, dw) and
