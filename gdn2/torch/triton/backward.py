@@ -81,7 +81,7 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _to_new_values(kd_tile, d_state, dU, DOT: tl.constexpr, SPLIT: tl.constexpr):
+def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr, SPLIT: tl.constexpr):
     """``dU + kd dS`` for one block of key columns of kd (as stored) and rows of dS."""
     if SPLIT:  # kd bfloat16 as stored, dS split (forward._split_dot)
         dU = _split_dot(kd_tile, d_state, dU)
@@ -91,7 +91,7 @@ def _to_new_values(kd_tile, d_state, dU, DOT: tl.constexpr, SPLIT: tl.constexpr)
 
 
 @triton.jit
-def _entering(d_state, decay, qd_tile, Wk_tile, d_out, dU, scale, DOT: tl.constexpr, SPLIT: tl.constexpr):
+def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, dU, scale, DOT: tl.constexpr, SPLIT: tl.constexpr):
     """Key rows of the gradient of the state entering a chunk: ``gamma dS + scale qd^T dO - Wk^T
     dU``; ``d_out`` is dO scaled, or with ``SPLIT`` dO as stored (bfloat16, as qd: their product
     is exact) and dU split."""
@@ -184,12 +184,12 @@ def _state_backward_kernel(
             dU = tl.dot(tl.trans(P_low), d_out, tl.dot(tl.trans(P_high), d_out)) * scale
         else:
             dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = _to_new_values(kd0, d0, dU, DOT, SPLIT)
+        dU = _add_kd_times_dS(kd0, d0, dU, DOT, SPLIT)
         if BLOCKS > 1:
-            dU = _to_new_values(kd1, d1, dU, DOT, SPLIT)
+            dU = _add_kd_times_dS(kd1, d1, dU, DOT, SPLIT)
         if BLOCKS > 2:
-            dU = _to_new_values(kd2, d2, dU, DOT, SPLIT)
-            dU = _to_new_values(kd3, d3, dU, DOT, SPLIT)
+            dU = _add_kd_times_dS(kd2, d2, dU, DOT, SPLIT)
+            dU = _add_kd_times_dS(kd3, d3, dU, DOT, SPLIT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         if not LOADS_FIRST:
             qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
@@ -198,12 +198,12 @@ def _state_backward_kernel(
             if BLOCKS > 2:
                 qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
                 qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-        d0 = _entering(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, scale, DOT, SPLIT)
+        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, scale, DOT, SPLIT)
         if BLOCKS > 1:
-            d1 = _entering(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, scale, DOT, SPLIT)
+            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, scale, DOT, SPLIT)
         if BLOCKS > 2:
-            d2 = _entering(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, scale, DOT, SPLIT)
-            d3 = _entering(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, scale, DOT, SPLIT)
+            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, scale, DOT, SPLIT)
+            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, scale, DOT, SPLIT)
     if STORE_INITIAL:
         _store_state_rows(d_initial + i_bh * K * V, 0, KB, K, V, cols_v, v_ok, d0)
         if BLOCKS > 1:
