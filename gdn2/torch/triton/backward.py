@@ -115,8 +115,9 @@ def _state_backward_kernel(
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With
-    ``LOADS_FIRST``, all of a chunk's loads are issued before its stores (a load after a store
-    waits for it: for all the compiler knows, they may alias). With ``SPLIT`` (qd, kd, Wk and dO
+    ``LOADS_FIRST``, all of a chunk's loads are issued before its stores (the compiler keeps a
+    load behind a store that may alias it, so the load waits for the products the store waits
+    for). With ``SPLIT`` (qd, kd, Wk and dO
     bfloat16) the products run on bfloat16 operands, dS, dU and P split in two parts."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -230,8 +231,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST,
         SPLIT=STATE_BACKWARD_SPLIT_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
-        num_warps=STATE_BACKWARD_WARPS,
-        num_stages=1, **register_cap("state_backward"),
+        num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
 
