@@ -107,13 +107,6 @@ VARIANTS: list[dict] = [
     # 3,488 warp-instructions a chunk against 2,360 at one warp: a chunk's chain a quarter as long)
     dict(WY_INVERTS=True, INVERSE_BY_LEVELS=True),
     dict(INVERSE_BY_LEVELS=True, INVERSE_WARPS=4),
-    # the intra-forward launch's A and P tiles at one place as one batched product, one warp each
-    # (sm_90a, Triton 3.6, K = 128: 213 registers against 252, 26,782 warp-instructions a program
-    # against 30,822, no spills; capped at 200: 194, five programs a multiprocessor against four;
-    # at 168: 32 B of spills, six)
-    dict(INTRA_FORWARD_PAIRED_PRODUCTS=True),
-    dict(INTRA_FORWARD_PAIRED_PRODUCTS=True, MAX_REGISTERS={**MAX_REGISTERS, "intra_forward": 200}),
-    dict(INTRA_FORWARD_PAIRED_PRODUCTS=True, MAX_REGISTERS={**MAX_REGISTERS, "intra_forward": 168}),
 ]
 
 

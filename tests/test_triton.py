@@ -847,41 +847,6 @@ def test_wy_launch_inverting_matches_spec(shape, seed, interpreter, monkeypatch)
     _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
 
 
-@pytest.mark.parametrize("packed, dtype", [(False, torch.float32), (True, torch.bfloat16)],
-                         ids=["batch-float32", "packed-bfloat16"])
-def test_intra_forward_paired_products_fill_the_same_buffers(packed, dtype, seed, interpreter, monkeypatch):
-    """With ``INTRA_FORWARD_PAIRED_PRODUCTS`` (A's and P's tiles at one place as one batched
-    product) the in-chunk launches fill every buffer as the separate products do, up to float32
-    rounding, on inputs with hard resets, a NaN in g and non-finite k and b (packed sequences too)."""
-    from gdn2.torch.triton import forward
-
-    expected, expected_bad = _intra_forward_filled(packed, dtype, seed)
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED_PRODUCTS", True)
-    got, got_bad = _intra_forward_filled(packed, dtype, seed)
-    assert torch.equal(got_bad, expected_bad)
-    for name in expected:
-        want, have = expected[name].double(), got[name].double()
-        assert torch.equal(torch.isnan(want), torch.isnan(have)), name
-        finite = ~torch.isnan(want)
-        scale = want[finite].abs().max().clamp_min(1e-30)
-        rounding = 2.0 ** -8 if expected[name].dtype == torch.bfloat16 else 1e-6
-        assert (have[finite] - want[finite]).abs().max() / scale <= rounding, name
-
-
-@kernel_only
-@pytest.mark.parametrize("seed_shape", [(2, 150, 2, 40, 24), (1, 130, 1, 128, 64)], ids=["K40", "K128"])
-def test_intra_forward_paired_products_match_spec(seed_shape, seed, interpreter, monkeypatch):
-    """The forward with ``INTRA_FORWARD_PAIRED_PRODUCTS`` and every gradient against the float64
-    spec (float32; a partial last chunk, K != V, a hard reset)."""
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "INTRA_FORWARD_PAIRED_PRODUCTS", True)
-    B, T, H, K, V = seed_shape
-    case = make_case(B, T, H, K, V, seed, log_decay_range=(-20.0, 0.0))
-    case["inputs"]["g"][0, 70, H - 1] = -np.inf
-    _assert_float32_kernel_matches(with_expected(case), seed)
-
-
 @kernel_only
 @pytest.mark.parametrize("wy_inverts", [False, True], ids=["inverse-launch", "wy-launch"])
 def test_inverse_by_levels_matches_spec(wy_inverts, seed, interpreter, monkeypatch):

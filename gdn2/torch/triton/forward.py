@@ -63,10 +63,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
-# A's and P's tiles at the same place as one batched product in the intra-forward launch (one
-# warp each; a 16x16 product runs whole in both warps): sm_90a, Triton 3.6, K = 128: 213
-# registers against 252, 26,782 warp-instructions a program against 30,822. Untimed.
-INTRA_FORWARD_PAIRED_PRODUCTS = False
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 # X made by the WY launch at its start (``_invert_chunk``, then read back by the same program),
 # no inverse launch: one launch and one read of X from memory fewer, the inverse's products at
@@ -506,7 +502,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, PAIRED: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -528,7 +524,7 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES, PAIRED)
+        chunk, K, BK, DOT, STAGES)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
@@ -631,27 +627,10 @@ def _invert_chunk_tile_by_tile(A, X_out, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _paired_dot(x, y, right, DOT: tl.constexpr):
-    """``(x right^T, y right^T)`` as one batched product, ``[2, 16, 16]``: one warp each."""
-    BK: tl.constexpr = right.shape[1]
-    left = tl.permute(tl.join(x, y), (2, 0, 1))
-    return tl.dot(left, tl.broadcast_to(tl.trans(right)[None, :, :], (2, BK, 16)), input_precision=DOT)
-
-
-@triton.jit
-def _unpair(pair):
-    """The two [16, 16] tiles of a ``_paired_dot`` sum."""
-    return tl.split(tl.permute(pair, (1, 2, 0)))
-
-
-@triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
-                        PAIRED: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
-    qd, kd, bkd, gamma and the key side's first bad row of the chunk. With ``PAIRED`` each tile of
-    A and P at the same place is one batched product (``_paired_dot``; the tiles apart are 16x16
-    products, each run whole by both warps)."""
+    qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
     A20 = tl.zeros((16, 16), dtype=tl.float32)
     A21 = tl.zeros((16, 16), dtype=tl.float32)
@@ -664,12 +643,6 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
     P30 = tl.zeros((16, 16), dtype=tl.float32)
     P31 = tl.zeros((16, 16), dtype=tl.float32)
     P32 = tl.zeros((16, 16), dtype=tl.float32)
-    AP10 = tl.zeros((2, 16, 16), dtype=tl.float32)  # with PAIRED: (A, P) at each place
-    AP20 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP21 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP30 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP31 = tl.zeros((2, 16, 16), dtype=tl.float32)
-    AP32 = tl.zeros((2, 16, 16), dtype=tl.float32)
     key_bad = tl.full((16, BK), 64, dtype=tl.int32)
     qd_out += chunk * 64 * K
     kd_out += chunk * 64 * K
@@ -693,11 +666,8 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
         q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
         left = tl.exp(L1)
-        if PAIRED:
-            AP10 += _paired_dot(bk1 * left, q1 * left, right0, DOT)
-        else:
-            A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
-            P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
+        A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
+        P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
         decay1 = tl.exp(s1)
         left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
@@ -709,14 +679,10 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
         left = tl.exp(L2)
         # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
-        if PAIRED:
-            AP20 += _paired_dot(bk2 * left, q2 * left, right0, DOT)
-            AP21 += _paired_dot(bk2 * left, q2 * left, right1, DOT)
-        else:
-            A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
-            A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
-            P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
-            P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
+        A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
+        A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
+        P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
+        P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
         decay2 = tl.exp(s2)
         left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
@@ -728,17 +694,12 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
 
         q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
         left = tl.exp(L3)
-        if PAIRED:
-            AP30 += _paired_dot(bk3 * left, q3 * left, right0, DOT)
-            AP31 += _paired_dot(bk3 * left, q3 * left, right1, DOT)
-            AP32 += _paired_dot(bk3 * left, q3 * left, right2, DOT)
-        else:
-            A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
-            A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
-            A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
-            P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
-            P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
-            P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
+        A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
+        A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
+        A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
+        P30 += tl.dot(q3 * left, tl.trans(right0), input_precision=DOT)
+        P31 += tl.dot(q3 * left, tl.trans(right1), input_precision=DOT)
+        P32 += tl.dot(q3 * left, tl.trans(right2), input_precision=DOT)
         left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
         _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
@@ -754,13 +715,6 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         _store_rows(kd_out, 3, K, cols, col_ok, k3 * tl.exp(R3))
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
-    if PAIRED:
-        A10, P10 = _unpair(AP10)
-        A20, P20 = _unpair(AP20)
-        A21, P21 = _unpair(AP21)
-        A30, P30 = _unpair(AP30)
-        A31, P31 = _unpair(AP31)
-        A32, P32 = _unpair(AP32)
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
 
 
@@ -934,8 +888,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, PAIRED=INTRA_FORWARD_PAIRED_PRODUCTS,
-        num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
     by_levels = INVERSE_BY_LEVELS and X.dtype == torch.float32
