@@ -339,12 +339,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
     PROGRAMS["intra_forward"] = chunks * heads
     out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
-                      dict(PRECISION=dot, BY_LEVELS=fk.INVERSE_BY_LEVELS and saved("inverse") == f32), fk.INVERSE_WARPS)
+                      dict(PRECISION=dot), fk.INVERSE_WARPS)
     LOOP_TRIPS["inverse"] = []
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
                      PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16",
-                     INVERT=fk.WY_INVERTS, INVERT_BY_LEVELS=fk.INVERSE_BY_LEVELS and saved("inverse") == f32)
+                     INVERT=fk.WY_INVERTS)
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),

@@ -100,13 +100,6 @@ VARIANTS: list[dict] = [
     # sm_90a, Triton 3.6: the reverse pass's loop 1,293 instructions against 1,224, 376 B of spills
     # against 64)
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving",)),
-    # X's tiles in batches, one warp a tile (INVERSE_BY_LEVELS), made by the WY launch (sm_90a,
-    # Triton 3.6, K = V = 128: 96 registers and 31% occupancy as the WY launch alone, 12,800
-    # warp-instructions a program against 9,068 + 2,360 for the WY and inverse launches; K = V =
-    # 64: 8,828 against 5,332 + 2,360), and by the inverse launch at four warps (104 registers,
-    # 3,488 warp-instructions a chunk against 2,360 at one warp: a chunk's chain a quarter as long)
-    dict(WY_INVERTS=True, INVERSE_BY_LEVELS=True),
-    dict(INVERSE_BY_LEVELS=True, INVERSE_WARPS=4),
 ]
 
 

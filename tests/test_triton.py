@@ -646,18 +646,15 @@ def _compact_chunk_matrices(full: torch.Tensor) -> torch.Tensor:
     return torch.stack([full[..., 16 * I:16 * I + 16, 16 * J:16 * J + 16] for I in range(4) for J in range(I + 1)], -3)
 
 
-@pytest.mark.parametrize("X_dtype, by_levels, warps", [
-    (torch.float32, False, 1), (torch.bfloat16, False, 1), (torch.float32, True, 4), (torch.float32, True, 1)],
-    ids=["float32", "bfloat16", "float32-by-levels", "float32-by-levels-one-warp"])
-def test_inverse_launch(X_dtype, by_levels, warps, seed, interpreter):
+@pytest.mark.parametrize("X_dtype", [torch.float32, torch.bfloat16])
+def test_inverse_launch(X_dtype, seed, interpreter):
     """The inverse launch against float64 ``(I + A)^{-1}`` of whole 64x64 chunk matrices built as
     the kernels build A (``b_i sum_c k_ic k_jc exp(G_ic - G_jc)`` below the diagonal), on keys of
     unit length and of length 3, and with a hard reset (a zero row and column): within 10x the
     error of float32 forward substitution on the same float32 A (at least 1e-6; at most a quarter
     of that over 40 seeds), bfloat16 X within its rounding. Float32 X is formed over A in its own
-    buffer, as the kernel path does; also with its tiles in batches (``INVERSE_BY_LEVELS``). (The
-    diagonal tiles' doubling alone, on tiles with entries of X in the hundreds:
-    test_doubling_inverts_a_strictly_lower_tile.)"""
+    buffer, as the kernel path does. (The diagonal tiles' doubling alone, on tiles with entries of
+    X in the hundreds: test_doubling_inverts_a_strictly_lower_tile.)"""
     from gdn2.torch.triton import forward
 
     rng = np.random.default_rng(seed)
@@ -672,7 +669,7 @@ def test_inverse_launch(X_dtype, by_levels, warps, seed, interpreter):
     A32 = torch.tensor(A, dtype=torch.float32)
     tiles = _compact_chunk_matrices(A32).reshape(1, 1, chunks, forward.TILES, 16, 16).contiguous()
     X = tiles if X_dtype == torch.float32 else torch.full(tiles.shape, float("nan"), dtype=X_dtype)
-    forward._inverse_kernel[(chunks,)](tiles, X, PRECISION="ieee", BY_LEVELS=by_levels, num_warps=warps, num_stages=1)
+    forward._inverse_kernel[(chunks,)](tiles, X, PRECISION="ieee", num_warps=forward.INVERSE_WARPS, num_stages=1)
     got = forward.full_chunk_matrices(X.double())[0, 0].numpy()
     expected = np.linalg.inv(np.eye(64) + A32.double().numpy())
     substituted = _substitution_inverse_float32(A32.numpy())
@@ -845,23 +842,6 @@ def test_wy_launch_inverting_matches_spec(shape, seed, interpreter, monkeypatch)
     monkeypatch.setattr(forward, "WY_INVERTS", True)
     B, T, H, K, V, decay = shape
     _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
-
-
-@kernel_only
-@pytest.mark.parametrize("wy_inverts", [False, True], ids=["inverse-launch", "wy-launch"])
-def test_inverse_by_levels_matches_spec(wy_inverts, seed, interpreter, monkeypatch):
-    """X's tiles in batches (``INVERSE_BY_LEVELS``: the diagonal four at once, then each level
-    below), made by the inverse launch at four warps or by the WY launch: the forward and every
-    gradient against the float64 spec, float32 (X float32, the form's only dtype), several chunks
-    with a partial last one, K != V, and a hard reset."""
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "INVERSE_BY_LEVELS", True)
-    monkeypatch.setattr(forward, "INVERSE_WARPS", 4)
-    monkeypatch.setattr(forward, "WY_INVERTS", wy_inverts)
-    case = make_case(1, 150, 2, 40, 24, seed, log_decay_range=(-3.0, 0.0))
-    case["inputs"]["g"][0, 90, 1] = -np.inf
-    _assert_float32_kernel_matches(with_expected(case), seed)
 
 
 @pytest.mark.parametrize("packed, dtype, in_bfloat16", [

@@ -68,9 +68,6 @@ INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers again
 # no inverse launch: one launch and one read of X from memory fewer, the inverse's products at
 # the WY launch's warps. Untimed.
 WY_INVERTS = False
-# X's tiles in batches, one warp a tile (``_invert_chunk_by_levels``; X float32 only), in the
-# inverse launch (at INVERSE_WARPS) or the WY launch (WY_INVERTS). Untimed.
-INVERSE_BY_LEVELS = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
@@ -534,7 +531,6 @@ def _inverse_kernel(
     A,  # [B, H, N, 10, 16, 16] float32, from _diagonal_kernel and _intra_forward_kernel (X_out itself when float32)
     X_out,  # [B, H, N, 10, 16, 16], float32 or bfloat16
     PRECISION: tl.constexpr,  # of every product: the operator's dot precision
-    BY_LEVELS: tl.constexpr,  # _invert_chunk_by_levels (X float32)
 ):
     """``X = (I + A)^{-1}`` of one chunk, stored in X's dtype, from A's tiles as the diagonal and
     intra-forward launches stored them (float32; X's own buffer when X is float32: each A tile is
@@ -545,78 +541,13 @@ def _inverse_kernel(
     spills). TF32 in the blocked products took the forward from 2.312 to 2.283 ms and from 2.208
     to 2.181 ms, the errors against the spec unchanged at the check shapes."""
     chunk = tl.program_id(0).to(tl.int64)
-    _invert_chunk(_chunk_matrix(A, chunk), _chunk_matrix(X_out, chunk), PRECISION, BY_LEVELS)
+    _invert_chunk(_chunk_matrix(A, chunk), _chunk_matrix(X_out, chunk), PRECISION)
 
 
 @triton.jit
-def _batched_doubled_inverse(A, PRECISION: tl.constexpr):
-    """``_doubled_inverse`` of a batch of strictly lower 16x16 tiles (``[n, 16, 16]``): batched
-    products, which Triton lays out one warp per tile (at n warps), where a 16x16 product at
-    several warps runs whole in every warp."""
-    r = tl.arange(0, 16)[None, :, None]
-    c = tl.arange(0, 16)[None, None, :]
-    X = (r == c).to(tl.float32) - tl.where(r // 2 == c // 2, A, 0.0)
-    for level in tl.static_range(1, 4):
-        b = 1 << level  # the block size inverted so far
-        joined = (r // (2 * b) == c // (2 * b)) & (r // b != c // b)
-        X -= tl.dot(tl.dot(X, tl.where(joined, A, 0.0), input_precision=PRECISION), X, input_precision=PRECISION)
-    return X
-
-
-@triton.jit
-def _tile_batch(i0: tl.constexpr, i1: tl.constexpr, i2: tl.constexpr, i3: tl.constexpr, COUNT: tl.constexpr):
-    """Offsets ``[COUNT, 16, 16]`` of stored tiles ``i0 .. i3`` (``_tile_index``; the first COUNT)
-    of a chunk matrix from its first entry."""
-    n = tl.arange(0, COUNT)[:, None, None]
-    index = tl.where(n == 0, i0, tl.where(n == 1, i1, tl.where(n == 2, i2, i3)))
-    return index * 256 + tl.arange(0, 16)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-
-
-@triton.jit
-def _invert_chunk_by_levels(A, X_out, PRECISION: tl.constexpr):
-    """``_invert_chunk`` for a float32 X, its tiles in batches: the four diagonal ones at once
-    (``_batched_doubled_inverse``), then the three next to the diagonal, the two beyond, the
-    corner, each level from the tiles of the levels before as stored (exactly, in float32)."""
-    # every tile of A read before X's tiles (over A's) are written
-    A_diagonal = tl.load(A + _tile_batch(0, 2, 5, 9, 4))
-    A_next = tl.load(A + _tile_batch(1, 4, 8, 8, 4))  # (1, 0), (2, 1), (3, 2) and (3, 2) again
-    A_far = tl.load(A + _tile_batch(3, 7, 0, 0, 2))  # (2, 0), (3, 1)
-    A_far_next = tl.load(A + _tile_batch(4, 8, 0, 0, 2))  # (2, 1), (3, 2)
-    A30, A31, A32 = _load_tile(A, 3, 0), _load_tile(A, 3, 1), _load_tile(A, 3, 2)
-    tl.debug_barrier()
-    tl.store(X_out + _tile_batch(0, 2, 5, 9, 4), _batched_doubled_inverse(A_diagonal, PRECISION))
-    tl.debug_barrier()
-    # X_{I, I-1} = -X_II A_{I, I-1} X_{I-1, I-1}, I = 1, 2, 3
-    X_next = -tl.dot(tl.load(X_out + _tile_batch(2, 5, 9, 9, 4)),
-                     tl.dot(A_next, tl.load(X_out + _tile_batch(0, 2, 5, 5, 4)), input_precision=PRECISION),
-                     input_precision=PRECISION)
-    tl.store(X_out + _tile_batch(1, 4, 8, 8, 4), X_next, mask=tl.arange(0, 4)[:, None, None] < 3)
-    tl.debug_barrier()
-    # X20 = -X22 (A20 X00 + A21 X10), X31 = -X33 (A31 X11 + A32 X21)
-    inner = tl.dot(A_far_next, tl.load(X_out + _tile_batch(1, 4, 0, 0, 2)),
-                   tl.dot(A_far, tl.load(X_out + _tile_batch(0, 2, 0, 0, 2)), input_precision=PRECISION),
-                   input_precision=PRECISION)
-    tl.store(X_out + _tile_batch(3, 7, 0, 0, 2),
-             -tl.dot(tl.load(X_out + _tile_batch(5, 9, 0, 0, 2)), inner, input_precision=PRECISION))
-    tl.debug_barrier()
-    # X30 = -X33 (A30 X00 + A31 X10 + A32 X20)
-    inner = (_blocked(A30, _load_tile(X_out, 0, 0), PRECISION) + _blocked(A31, _load_tile(X_out, 1, 0), PRECISION)
-             + _blocked(A32, _load_tile(X_out, 2, 0), PRECISION))
-    _store_tile(X_out, 3, 0, -_blocked(_load_tile(X_out, 3, 3), inner, PRECISION))
-
-
-@triton.jit
-def _invert_chunk(A, X_out, PRECISION: tl.constexpr, BY_LEVELS: tl.constexpr = False):
+def _invert_chunk(A, X_out, PRECISION: tl.constexpr):
     """One chunk's X from its A (both at the chunk's first entry; the same buffer when X is
-    float32); with ``BY_LEVELS`` (X float32 only) ``_invert_chunk_by_levels``."""
-    if BY_LEVELS:
-        _invert_chunk_by_levels(A, X_out, PRECISION)
-    else:
-        _invert_chunk_tile_by_tile(A, X_out, PRECISION)
-
-
-@triton.jit
-def _invert_chunk_tile_by_tile(A, X_out, PRECISION: tl.constexpr):
+    float32)."""
     X00, X11, X22, X33 = _store_inverse_diagonal(X_out, A, PRECISION)
     # A's tiles below the diagonal loaded after the diagonal's inversion, so that they hold no
     # registers through it, and all read before X's tiles overwrite them
@@ -805,7 +736,6 @@ def _wy_kernel(
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
     INVERT: tl.constexpr,  # X made here first from A (WY_INVERTS)
     A,  # [B, H, N, 10, 16, 16] float32 with INVERT (X itself when X is float32)
-    INVERT_BY_LEVELS: tl.constexpr,  # and so by _invert_chunk_by_levels
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
@@ -823,7 +753,7 @@ def _wy_kernel(
     t = first + rows
     row_ok = t < end
     if INVERT:
-        _invert_chunk(_chunk_matrix(A, i_bh * N + i_n), _chunk_matrix(X, i_bh * N + i_n), DOT, INVERT_BY_LEVELS)
+        _invert_chunk(_chunk_matrix(A, i_bh * N + i_n), _chunk_matrix(X, i_bh * N + i_n), DOT)
         tl.debug_barrier()  # X's tiles, stored by every lane, visible to the whole program
     if BFLOAT16_PRODUCTS:
         X_tile = _load_chunk_matrix_stored(_chunk_matrix(X, i_bh * N + i_n))
@@ -891,16 +821,14 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
-    by_levels = INVERSE_BY_LEVELS and X.dtype == torch.float32
     if not WY_INVERTS:
-        _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, BY_LEVELS=by_levels, num_warps=INVERSE_WARPS,
-                                      num_stages=1, **register_cap("inverse"))
+        _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
+                                      **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
         BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16, INVERT=WY_INVERTS, A=A,
-        INVERT_BY_LEVELS=by_levels,
         num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
