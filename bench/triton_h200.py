@@ -78,7 +78,8 @@ VARIANTS: list[dict] = [
     dict(MAX_REGISTERS={launch: cap for launch, cap in MAX_REGISTERS.items() if launch != "inverse"}),
     dict(INVERSE_WARPS=2),
     # X made by the WY launch, no inverse launch (sm_90a: 130 registers against 96, 18.8% occupancy
-    # against 31.2%; 16,492 warp-instructions a program against 9,068 + 2,360), and capped at 128 (25%, no spills)
+    # against 31.2%; 16,492 warp-instructions a program against 9,068 + 2,360; H200 2026-12-05:
+    # forward 2.121 / 2.277 ms against 1.954 / 1.998), and capped at 128 (25%, no spills)
     dict(WY_INVERTS=True),
     dict(WY_INVERTS=True, MAX_REGISTERS={**MAX_REGISTERS, "wy": 128}),
     # the same at eight warps (115 registers, 25%, no spills; 27,208 warp-instructions a program: the
