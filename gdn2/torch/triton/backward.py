@@ -75,6 +75,37 @@ def _key_columns(x, row0, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _store_state_blocks(state, d0, d1, d2, d3, BLOCKS: tl.constexpr, KB: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, cols_v, v_ok):
+    """Store the first BLOCKS of the blocks of key rows ``d0`` .. ``d3`` of a [K, V] state."""
+    _store_state_rows(state, 0, KB, K, V, cols_v, v_ok, d0)
+    if BLOCKS > 1:
+        _store_state_rows(state, 1, KB, K, V, cols_v, v_ok, d1)
+    if BLOCKS > 2:
+        _store_state_rows(state, 2, KB, K, V, cols_v, v_ok, d2)
+        _store_state_rows(state, 3, KB, K, V, cols_v, v_ok, d3)
+
+
+@triton.jit
+def _query_and_erase_blocks(qd, Wk, row0, BLOCKS: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
+    """The first BLOCKS blocks of key columns of a chunk's qd and Wk, each block's pair together
+    (the blocks past BLOCKS: zeros that nothing reads)."""
+    qd1 = tl.zeros((64, KB), dtype=qd.dtype.element_ty)
+    qd2 = qd1
+    qd3 = qd1
+    Wk1 = tl.zeros((64, KB), dtype=Wk.dtype.element_ty)
+    Wk2 = Wk1
+    Wk3 = Wk1
+    qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
+    if BLOCKS > 1:
+        qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
+    if BLOCKS > 2:
+        qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
+        qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
+    return qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3
+
+
+@triton.jit
 def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
     cols_k = b * KB + tl.arange(0, KB)
     return tl.load(gamma + chunk * K + cols_k, mask=cols_k < K, other=0.0)
@@ -149,12 +180,7 @@ def _state_backward_kernel(
         row0 = chunk * 64
         leaving = d_leaving + chunk * K * V
         if not LOADS_FIRST:
-            _store_state_rows(leaving, 0, KB, K, V, cols_v, v_ok, d0)
-            if BLOCKS > 1:
-                _store_state_rows(leaving, 1, KB, K, V, cols_v, v_ok, d1)
-            if BLOCKS > 2:
-                _store_state_rows(leaving, 2, KB, K, V, cols_v, v_ok, d2)
-                _store_state_rows(leaving, 3, KB, K, V, cols_v, v_ok, d3)
+            _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
         if not SPLIT:
@@ -167,18 +193,8 @@ def _state_backward_kernel(
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
         if LOADS_FIRST:
-            qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
-            if BLOCKS > 1:
-                qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
-            if BLOCKS > 2:
-                qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
-                qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-            _store_state_rows(leaving, 0, KB, K, V, cols_v, v_ok, d0)
-            if BLOCKS > 1:
-                _store_state_rows(leaving, 1, KB, K, V, cols_v, v_ok, d1)
-            if BLOCKS > 2:
-                _store_state_rows(leaving, 2, KB, K, V, cols_v, v_ok, d2)
-                _store_state_rows(leaving, 3, KB, K, V, cols_v, v_ok, d3)
+            qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
+            _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         if SPLIT:  # P split into two bfloat16 parts, dO as stored
             P_high = P_tile.to(tl.bfloat16)
             P_low = (P_tile - P_high.to(tl.float32)).to(tl.bfloat16)
@@ -193,12 +209,7 @@ def _state_backward_kernel(
             dU = _add_kd_times_dS(kd3, d3, dU, DOT, SPLIT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         if not LOADS_FIRST:
-            qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
-            if BLOCKS > 1:
-                qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
-            if BLOCKS > 2:
-                qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
-                qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
+            qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
         d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, scale, DOT, SPLIT)
         if BLOCKS > 1:
             d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, scale, DOT, SPLIT)
@@ -206,12 +217,7 @@ def _state_backward_kernel(
             d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, scale, DOT, SPLIT)
             d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, scale, DOT, SPLIT)
     if STORE_INITIAL:
-        _store_state_rows(d_initial + i_bh * K * V, 0, KB, K, V, cols_v, v_ok, d0)
-        if BLOCKS > 1:
-            _store_state_rows(d_initial + i_bh * K * V, 1, KB, K, V, cols_v, v_ok, d1)
-        if BLOCKS > 2:
-            _store_state_rows(d_initial + i_bh * K * V, 2, KB, K, V, cols_v, v_ok, d2)
-            _store_state_rows(d_initial + i_bh * K * V, 3, KB, K, V, cols_v, v_ok, d3)
+        _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
 
 
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
