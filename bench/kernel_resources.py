@@ -391,7 +391,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
              HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed, LOADS_FIRST=bw.STATE_BACKWARD_LOADS_FIRST,
-             SPLIT=bw.STATE_BACKWARD_SPLIT_PRODUCTS and inp == saved("qd") == saved("kd") == saved("Wk") == "bf16"),
+             SPLIT=bw.STATE_BACKWARD_SPLIT_PRODUCTS and inp == saved("qd") == saved("kd") == saved("Wk") == "bf16",
+             STAGES=bw.STATE_BACKWARD_STAGES),
         bw.STATE_BACKWARD_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

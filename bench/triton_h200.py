@@ -101,6 +101,12 @@ VARIANTS: list[dict] = [
     # sm_90a, Triton 3.6: the reverse pass's loop 1,293 instructions against 1,224, 376 B of spills
     # against 64)
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving",)),
+    # the reverse pass's loads one chunk ahead (sm_90a, Triton 3.6: one program a multiprocessor,
+    # 120.5 KiB of shared memory; split: 160.5 KiB; split at 32 value columns: 136.5 KiB, 201
+    # registers, no spills, 1,075 instructions a chunk)
+    dict(STATE_BACKWARD_STAGES=2),
+    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True),
+    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True, STATE_BACKWARD_MIN_PROGRAMS=512),
 ]
 
 

@@ -49,6 +49,7 @@ STATE_BACKWARD_LOADS_FIRST = False  # 1,351 instructions and 316 B of spills at 
 # bfloat16 parts, P^T dO on P split; no operand transposed through shared memory as TF32's must be
 # (K = V = 128: 85 shared stores a chunk against 217, 1,442 instructions against 1,224). Untimed.
 STATE_BACKWARD_SPLIT_PRODUCTS = False
+STATE_BACKWARD_STAGES = 1
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    LOADS_FIRST: tl.constexpr, SPLIT: tl.constexpr,
+    LOADS_FIRST: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With
@@ -172,7 +173,7 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             d2 = _state_rows(d_final + i_bh * K * V, 2, KB, K, V, cols_v, v_ok)
             d3 = _state_rows(d_final + i_bh * K * V, 3, KB, K, V, cols_v, v_ok)
-    for step in range(chunk_end - chunk_first):
+    for step in tl.range(0, chunk_end - chunk_first, num_stages=STAGES):
         i_n = chunk_end - 1 - step
         chunk = head * N + i_n
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
@@ -237,6 +238,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST,
         SPLIT=STATE_BACKWARD_SPLIT_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
+        STAGES=STATE_BACKWARD_STAGES if N > 1 else 1,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
