@@ -321,8 +321,6 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     def saved(name):  # the dtype of a saved buffer, as the operator allocates it
         return "bf16" if inp == "bf16" and name in operator.SAVED_IN_BFLOAT16 else f32
 
-    def gradient(name):  # the dtype of the backward's d_leaving or d_U, as the operator allocates it
-        return "bf16" if inp == "bf16" and name in operator.GRADIENTS_IN_BFLOAT16 else f32
 
     saved_states = saved("states")
     bk = max(16, triton.next_power_of_2(K))
@@ -343,12 +341,11 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["inverse"] = []
     PROGRAMS["inverse"] = chunks * heads
     wy_blocks = dict(K=K, V=V, BK=min(fk.WY_BLOCK, bk), BV=min(fk.WY_BLOCK, max(16, triton.next_power_of_2(V))), DOT=dot,
-                     PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16",
-                     INVERT=fk.WY_INVERTS)
+                     PACKED=packed, BFLOAT16_PRODUCTS=fk.WY_BFLOAT16_PRODUCTS and saved("inverse") == bkd == "bf16")
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
-             first_bad_out="i32", chunk_table="i32", A=f32),
+             first_bad_out="i32", chunk_table="i32"),
         {}, wy_blocks, fk.WY_WARPS,
     )
     LOOP_TRIPS["wy"] = [key_blocks_of(wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
@@ -387,10 +384,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["state_backward"] = (
         bw._state_backward_kernel,
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32,
-             d_leaving=gradient("d_leaving"), d_U=gradient("d_U"), d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
+             d_leaving=f32, d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
-             HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed, LOADS_FIRST=bw.STATE_BACKWARD_LOADS_FIRST,
+             HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
              SPLIT=bw.STATE_BACKWARD_SPLIT_PRODUCTS and inp == saved("qd") == saved("kd") == saved("Wk") == "bf16",
              STAGES=bw.STATE_BACKWARD_STAGES),
         bw.STATE_BACKWARD_WARPS,
@@ -402,13 +399,13 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                   PACKED=packed)
     out["intra_backward_contract"] = (
         bw._intra_backward_contract_kernel,
-        dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=gradient("d_leaving"), d_U=gradient("d_U"),
+        dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=f32, d_U=f32,
              inverse=saved("inverse"), d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
         dict(scale="fp32"), dict(blocks, STAGES=bw.CONTRACT_STAGES), bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
-        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp, d_U=gradient("d_U"),
+        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp, d_U=f32,
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES), bw.INTRA_BACKWARD_WARPS,
     )

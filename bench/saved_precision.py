@@ -50,10 +50,6 @@ CONFIGS = {
     "+P": dict(SAVED_IN_BFLOAT16=DEFAULT + ("P",)),
     "+inverse": dict(SAVED_IN_BFLOAT16=DEFAULT + ("inverse",)),
     "+Uw,P,inverse": dict(SAVED_IN_BFLOAT16=DEFAULT + ("Uw", "P", "inverse")),
-    # the backward's gradients of U and of the states leaving each chunk in bfloat16
-    "+d_U": dict(GRADIENTS_IN_BFLOAT16=("d_U",)),
-    "+d_leaving": dict(GRADIENTS_IN_BFLOAT16=("d_leaving",)),
-    "+d_U,d_leaving": dict(GRADIENTS_IN_BFLOAT16=("d_U", "d_leaving")),
 }
 # (B, T, H, K, V, log decay range); the third is the shape of tests/test_triton.py's
 # test_kernel_bfloat16_saved_buffers_widest (not run unless asked for: --shapes 2).

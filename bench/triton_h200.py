@@ -77,33 +77,17 @@ VARIANTS: list[dict] = [
     # the inverse launch without its register cap (146 registers) and at two warps: 1.962 and 1.976 against 1.942 ms
     dict(MAX_REGISTERS={launch: cap for launch, cap in MAX_REGISTERS.items() if launch != "inverse"}),
     dict(INVERSE_WARPS=2),
-    # X made by the WY launch, no inverse launch (sm_90a: 130 registers against 96, 18.8% occupancy
-    # against 31.2%; 16,492 warp-instructions a program against 9,068 + 2,360; H200 2026-12-05:
-    # forward 2.121 / 2.277 ms against 1.954 / 1.998), and capped at 128 (25%, no spills)
-    dict(WY_INVERTS=True),
-    dict(WY_INVERTS=True, MAX_REGISTERS={**MAX_REGISTERS, "wy": 128}),
-    # the same at eight warps (115 registers, 25%, no spills; 27,208 warp-instructions a program: the
-    # inverse's 16x16 products run in every warp)
-    dict(WY_INVERTS=True, WY_WARPS=8),
     # the reverse state pass with the state's gradient in blocks of 64 key rows (sm_90a, Triton 3.6:
-    # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B), and with every load of a
-    # chunk issued before its stores (1,351 and 316 B)
+    # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B; H200 2026-12-05:
+    # forward+backward 8.705 / 8.157 ms against 8.547 / 8.153)
     dict(STATE_BACKWARD_KEY_BLOCK=64),
-    dict(STATE_BACKWARD_LOADS_FIRST=True),
-    # the reverse state pass's products on bfloat16 operands (dS, dU and P split; 85 shared stores a
-    # chunk against 217, 21 barriers against 46, 1,442 instructions against 1,224, 208 B of spills),
-    # in one block and in blocks of 64 key rows (tiles of 128 B a row: Triton 3.6 built an earlier
-    # split form on [64, 128] tiles wrong): each in a process of its own
-    dict(STATE_BACKWARD_SPLIT_PRODUCTS=True),
-    dict(STATE_BACKWARD_SPLIT_PRODUCTS=True, STATE_BACKWARD_KEY_BLOCK=64),
-    # the gradient of the states leaving each chunk kept in bfloat16 (512 MiB less at B=8 T=4096
-    # H=16 K=V=128; the kernels' own worst gradient error 1.06-1.17x, bench/saved_precision.py;
-    # sm_90a, Triton 3.6: the reverse pass's loop 1,293 instructions against 1,224, 376 B of spills
-    # against 64)
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving",)),
     # the reverse pass's loads one chunk ahead (sm_90a, Triton 3.6: one program a multiprocessor,
-    # 120.5 KiB of shared memory; split: 160.5 KiB; split at 32 value columns: 136.5 KiB, 201
-    # registers, no spills, 1,075 instructions a chunk)
+    # 120.5 KiB of shared memory), and so with its products on bfloat16 operands (dS, dU and P
+    # split; 160.5 KiB; at 32 value columns 136.5 KiB, 201 registers, no spills, 1,075 instructions
+    # a chunk against 1,224): the split products without loads ahead, their tiles reaching shared
+    # memory from registers, faulted on the H200 in one block and in blocks of 64 key rows
+    # (2026-12-05, illegal memory access, Triton 3.6), as the state forward's did. Each in a
+    # process of its own.
     dict(STATE_BACKWARD_STAGES=2),
     dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True),
     dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True, STATE_BACKWARD_MIN_PROGRAMS=512),

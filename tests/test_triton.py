@@ -176,31 +176,6 @@ def _bfloat16_products(monkeypatch, on: bool) -> None:
 
 
 @kernel_only
-def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
-    """The backward's gradients of U and of the states leaving each chunk kept in bfloat16
-    (``GRADIENTS_IN_BFLOAT16``, rounded on their store after the reverse pass used them in
-    float32): they are bfloat16 where the in-chunk backward reads them, and every gradient stays
-    within the bfloat16 tolerance of the spec on the same, rounded inputs (bench/saved_precision.py:
-    the kernels' own worst gradient error 1.06-1.17x the float32 buffers', median over seeds)."""
-    import gdn2.torch.triton as operator
-
-    monkeypatch.setattr(operator, "GRADIENTS_IN_BFLOAT16", ("d_U", "d_leaving"))
-    seen = {}
-    contract = operator.intra_backward_contract
-
-    def spy(states, U, d_o, d_leaving, d_U, *rest, **options):
-        seen.update(d_leaving=d_leaving.dtype, d_U=d_U.dtype)
-        return contract(states, U, d_o, d_leaving, d_U, *rest, **options)
-
-    monkeypatch.setattr(operator, "intra_backward_contract", spy)
-    case = _rounded_case(make_case(1, 140, 2, 64, 48, seed, log_decay_range=(-20.0, 0.0)), torch.bfloat16)
-    result = run_torch(case, "bfloat16", path="kernel")
-    assert seen == dict(d_leaving=torch.bfloat16, d_U=torch.bfloat16)
-    error, name, errors = worst_error(result, case["expected"])
-    assert error <= 2e-2, (seed, name, errors)
-
-
-@kernel_only
 def test_state_backward_split_products_match_the_widened(seed, interpreter, monkeypatch):
     """The reverse state pass's products on bfloat16 operands (``STATE_BACKWARD_SPLIT_PRODUCTS``:
     qd^T dO as stored, dS, dU and P split) in the whole operator on bfloat16 inputs: every
@@ -831,39 +806,6 @@ def test_doubling_inverts_a_strictly_lower_tile(seed, interpreter):
         assert error < 1e-5, (i, error)
 
 
-@kernel_only
-@pytest.mark.parametrize("shape", [(2, 130, 2, 40, 24, (-20.0, 0.0)), (1, 66, 1, 128, 128, (-3.0, 0.0))],
-                         ids=["K40-two-chunks", "K128"])
-def test_wy_launch_inverting_matches_spec(shape, seed, interpreter, monkeypatch):
-    """The forward with X made by the WY launch (``WY_INVERTS``, no inverse launch) against the
-    float64 spec: output, final state and every gradient."""
-    from gdn2.torch.triton import forward
-
-    monkeypatch.setattr(forward, "WY_INVERTS", True)
-    B, T, H, K, V, decay = shape
-    _assert_float32_kernel_matches(make_case(B, T, H, K, V, seed, log_decay_range=decay), seed)
-
-
-@pytest.mark.parametrize("packed, dtype, in_bfloat16", [
-    (False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, WIDEST_BFLOAT16)],
-    ids=["batch-float32", "packed-bfloat16", "batch-bfloat16-widest"])
-def test_wy_launch_inverting_fills_the_same_buffers(packed, dtype, in_bfloat16, seed, interpreter, monkeypatch):
-    """With ``WY_INVERTS`` every buffer the in-chunk launches fill is bit for bit the one of the
-    inverse launch's form (the same arithmetic in the same order, on inputs with hard resets, a
-    NaN in g and non-finite k and b), X formed over A when float32, X rounded to bfloat16 on its
-    store and read back as stored when it is bfloat16."""
-    from gdn2.torch.triton import forward
-
-    if in_bfloat16 is not None:
-        monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-    expected, expected_bad = _intra_forward_filled(packed, dtype, seed)
-    monkeypatch.setattr(forward, "WY_INVERTS", True)
-    got, got_bad = _intra_forward_filled(packed, dtype, seed)
-    assert torch.equal(got_bad, expected_bad)
-    for name in expected:
-        assert torch.equal(got[name], expected[name]), name
-
-
 def _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans):
     """The reverse state pass in float64 on whole chunk matrices: per sequence (its chunks
     ``spans``: (first chunk, end chunk, batch row) and its tokens), ``d_leaving``, ``d_U`` and
@@ -892,15 +834,16 @@ def _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans):
     return d_leaving, d_U, d_initial
 
 
-@pytest.mark.parametrize("K, V, key_block, loads_first, split", [
-    (128, 64, 128, False, False), (128, 64, 64, False, False), (128, 64, 64, True, False), (200, 24, 128, False, False),
-    (200, 24, 64, False, False), (200, 24, 64, True, False), (40, 40, 32, False, False), (40, 40, 128, True, False),
-    (128, 64, 128, False, True), (200, 24, 64, True, True), (40, 40, 32, False, True)], ids=lambda x: str(x))
+@pytest.mark.parametrize("K, V, key_block, stages, split", [
+    (128, 64, 128, 1, False), (128, 64, 64, 1, False), (128, 64, 64, 2, False), (200, 24, 128, 1, False),
+    (200, 24, 64, 1, False), (200, 24, 64, 2, False), (40, 40, 32, 1, False), (40, 40, 128, 2, False),
+    (128, 64, 128, 1, True), (200, 24, 64, 2, True), (40, 40, 32, 1, True)], ids=lambda x: str(x))
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_state_backward_key_blocks(K, V, key_block, loads_first, split, packed, seed, interpreter, monkeypatch):
+def test_state_backward_key_blocks(K, V, key_block, stages, split, packed, seed, interpreter, monkeypatch):
     """The reverse state pass alone, the state's gradient in one block of key rows or in two and
     four (``STATE_BACKWARD_KEY_BLOCK``, K not a multiple of the block: a partial last one), its
-    loads before or after its stores, its products in TF32's place or on bfloat16 operands
+    loads issued ahead or not (``STATE_BACKWARD_STAGES``: the interpreter runs the loop as
+    written), its products in TF32's place or on bfloat16 operands
     (``STATE_BACKWARD_SPLIT_PRODUCTS``: qd, kd, Wk and dO bfloat16), against the recurrence in
     float64 on the same values: the gradient of the state leaving each chunk, of U, and of the
     initial state; a partial last chunk, packed sequences (a chunk table) with one of a single
@@ -908,7 +851,7 @@ def test_state_backward_key_blocks(K, V, key_block, loads_first, split, packed, 
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_KEY_BLOCK", key_block)
-    monkeypatch.setattr(backward, "STATE_BACKWARD_LOADS_FIRST", loads_first)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", stages)
     monkeypatch.setattr(backward, "STATE_BACKWARD_SPLIT_PRODUCTS", split)
     rng = np.random.default_rng(seed)
     H, scale = 2, 0.3

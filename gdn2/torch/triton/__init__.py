@@ -105,11 +105,6 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 # (5.0e-3 -> 6.1e-3, db). float16 inputs keep every buffer in float32 (a state entry may pass
 # float16's 65504).
 SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
-# The backward's own buffers kept in bfloat16 when the inputs are bfloat16: "d_leaving" (the
-# gradient of the state leaving each chunk, [B, H, N, K, V]) and "d_U" (of U, [B, H, N * 64, V]),
-# written by the reverse state pass after it used them in float32, read by the in-chunk backward.
-# None by default (bench/saved_precision.py measures what each costs).
-GRADIENTS_IN_BFLOAT16: tuple[str, ...] = ()
 
 
 def _saved_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
@@ -193,9 +188,7 @@ def _backward(
         correct_interpreter()
     d_o = d_o.contiguous()
     d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
-    d_leaving, d_U = (torch.empty(x.shape, device=q.device, dtype=torch.bfloat16 if q.dtype == torch.bfloat16
-                                  and name in GRADIENTS_IN_BFLOAT16 else torch.float32)
-                      for name, x in (("d_leaving", states), ("d_U", U)))
+    d_leaving, d_U = (torch.empty(x.shape, device=q.device, dtype=torch.float32) for x in (states, U))
     _, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     d_initial = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device) if has_initial else q.new_empty(0)
     state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial if has_initial else None, scale,

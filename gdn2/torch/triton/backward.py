@@ -43,12 +43,14 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _loa
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
-STATE_BACKWARD_LOADS_FIRST = False  # 1,351 instructions and 316 B of spills at K = V = 128
 # Products on bfloat16 operands where qd, kd, Wk and dO are bfloat16 (as the forward's
 # STATE_BFLOAT16_PRODUCTS): qd^T dO as stored (exact), kd dS and Wk^T dU on dS and dU split in two
 # bfloat16 parts, P^T dO on P split; no operand transposed through shared memory as TF32's must be
-# (K = V = 128: 85 shared stores a chunk against 217, 1,442 instructions against 1,224). Untimed.
+# (K = V = 128: 85 shared stores a chunk against 217, 1,442 instructions against 1,224). Without
+# loads ahead it faulted on the H200 (illegal memory access, Triton 3.6), as the state forward's did.
 STATE_BACKWARD_SPLIT_PRODUCTS = False
+# Chunks whose loads Triton issues ahead, as asynchronous copies to shared memory (1: none; only
+# over more than one chunk). Two: one program a multiprocessor (120.5 KiB of shared memory).
 STATE_BACKWARD_STAGES = 1
 
 
@@ -143,14 +145,12 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    LOADS_FIRST: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
-    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With
-    ``LOADS_FIRST``, all of a chunk's loads are issued before its stores (the compiler keeps a
-    load behind a store that may alias it, so the load waits for the products the store waits
-    for). With ``SPLIT`` (qd, kd, Wk and dO
-    bfloat16) the products run on bfloat16 operands, dS, dU and P split in two parts."""
+    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With ``SPLIT``
+    (qd, kd, Wk and dO bfloat16) the products run on bfloat16 operands, dS, dU and P split in two
+    parts; with ``STAGES`` > 1 the next chunks' loads are issued ahead."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -180,8 +180,7 @@ def _state_backward_kernel(
         t = first + rows
         row0 = chunk * 64
         leaving = d_leaving + chunk * K * V
-        if not LOADS_FIRST:
-            _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
+        _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
         if not SPLIT:
@@ -193,9 +192,6 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
-        if LOADS_FIRST:
-            qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
-            _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         if SPLIT:  # P split into two bfloat16 parts, dO as stored
             P_high = P_tile.to(tl.bfloat16)
             P_low = (P_tile - P_high.to(tl.float32)).to(tl.bfloat16)
@@ -209,8 +205,7 @@ def _state_backward_kernel(
             dU = _add_kd_times_dS(kd2, d2, dU, DOT, SPLIT)
             dU = _add_kd_times_dS(kd3, d3, dU, DOT, SPLIT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
-        if not LOADS_FIRST:
-            qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
+        qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
         d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, scale, DOT, SPLIT)
         if BLOCKS > 1:
             d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, scale, DOT, SPLIT)
@@ -236,7 +231,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, LOADS_FIRST=STATE_BACKWARD_LOADS_FIRST,
+        PACKED=chunk_table is not None,
         SPLIT=STATE_BACKWARD_SPLIT_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
         STAGES=STATE_BACKWARD_STAGES if N > 1 else 1,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),

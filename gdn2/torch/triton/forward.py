@@ -64,10 +64,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
-# X made by the WY launch at its start (``_invert_chunk``, then read back by the same program),
-# no inverse launch: one launch and one read of X from memory fewer, the inverse's products at
-# the WY launch's warps. Untimed.
-WY_INVERTS = False
 STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
@@ -726,7 +722,7 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
 @triton.jit
 def _wy_kernel(
     v, w,  # inputs [B, T, H, V]
-    X,  # [B, H, N, 10, 16, 16] float32 or bfloat16, from _inverse_kernel (or made here: INVERT)
+    X,  # [B, H, N, 10, 16, 16] float32 or bfloat16, from _inverse_kernel
     bkd,  # [B, H, N * 64, K] float32 (or Wk_out itself): b k exp(G), from _intra_forward_kernel
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
@@ -734,16 +730,13 @@ def _wy_kernel(
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
-    INVERT: tl.constexpr,  # X made here first from A (WY_INVERTS)
-    A,  # [B, H, N, 10, 16, 16] float32 with INVERT (X itself when X is float32)
 ):
     """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
     of its Wk is stored (one program per chunk, distinct columns per step). With
-    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored. With
-    ``INVERT``, the program first makes its chunk's X (``_invert_chunk``) and reads it back."""
+    ``BFLOAT16_PRODUCTS`` (X and bkd bfloat16), the products run on X and bkd as stored."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -752,9 +745,6 @@ def _wy_kernel(
     first, end = _chunk_span(chunk_table, i_n, T, PACKED)
     t = first + rows
     row_ok = t < end
-    if INVERT:
-        _invert_chunk(_chunk_matrix(A, i_bh * N + i_n), _chunk_matrix(X, i_bh * N + i_n), DOT)
-        tl.debug_barrier()  # X's tiles, stored by every lane, visible to the whole program
     if BFLOAT16_PRODUCTS:
         X_tile = _load_chunk_matrix_stored(_chunk_matrix(X, i_bh * N + i_n))
     else:
@@ -821,14 +811,13 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
-    if not WY_INVERTS:
-        _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
-                                      **register_cap("inverse"))
+    _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
+                                  **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
         v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
-        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16, INVERT=WY_INVERTS, A=A,
+        BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
         num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
