@@ -91,6 +91,8 @@ VARIANTS: list[dict] = [
     dict(STATE_BACKWARD_STAGES=2),
     dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True),
     dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True, STATE_BACKWARD_MIN_PROGRAMS=512),
+    # TF32 products, loads ahead, 32 value columns: 100.5 KiB, two programs a multiprocessor, 400 B of spills
+    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MIN_PROGRAMS=512),
 ]
 
 
