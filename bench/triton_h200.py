@@ -81,18 +81,6 @@ VARIANTS: list[dict] = [
     # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B; H200 2026-12-05:
     # forward+backward 8.705 / 8.157 ms against 8.547 / 8.153)
     dict(STATE_BACKWARD_KEY_BLOCK=64),
-    # the reverse pass's loads one chunk ahead (sm_90a, Triton 3.6: one program a multiprocessor,
-    # 120.5 KiB of shared memory), and so with its products on bfloat16 operands (dS, dU and P
-    # split; 160.5 KiB; at 32 value columns 136.5 KiB, 201 registers, no spills, 1,075 instructions
-    # a chunk against 1,224): the split products without loads ahead, their tiles reaching shared
-    # memory from registers, faulted on the H200 in one block and in blocks of 64 key rows
-    # (2026-12-05, illegal memory access, Triton 3.6), as the state forward's did. Each in a
-    # process of its own.
-    dict(STATE_BACKWARD_STAGES=2),
-    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True),
-    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_SPLIT_PRODUCTS=True, STATE_BACKWARD_MIN_PROGRAMS=512),
-    # TF32 products, loads ahead, 32 value columns: 100.5 KiB, two programs a multiprocessor, 400 B of spills
-    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MIN_PROGRAMS=512),
 ]
 
 

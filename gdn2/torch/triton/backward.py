@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
-                      _sequence_chunks, _split_dot, _table, register_cap, value_block)
+                      _sequence_chunks, _table, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -43,15 +43,9 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _loa
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
-# Products on bfloat16 operands where qd, kd, Wk and dO are bfloat16 (as the forward's
-# STATE_BFLOAT16_PRODUCTS): qd^T dO as stored (exact), kd dS and Wk^T dU on dS and dU split in two
-# bfloat16 parts, P^T dO on P split; no operand transposed through shared memory as TF32's must be
-# (K = V = 128: 85 shared stores a chunk against 217, 1,442 instructions against 1,224). Without
-# loads ahead it faulted on the H200 (illegal memory access, Triton 3.6), as the state forward's did.
-STATE_BACKWARD_SPLIT_PRODUCTS = False
-# Chunks whose loads Triton issues ahead, as asynchronous copies to shared memory (1: none; only
-# over more than one chunk). Two: one program a multiprocessor (120.5 KiB of shared memory).
-STATE_BACKWARD_STAGES = 1
+# Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
+# P split in two parts) faulted without loads ahead; the loads a chunk ahead (num_stages=2) gave
+# non-finite float32 results and, split at 32 value columns, a wrong bfloat16 gradient (Triton 3.6).
 
 
 @triton.jit
@@ -115,27 +109,11 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr, SPLIT: tl.constexpr):
-    """``dU + kd dS`` for one block of key columns of kd (as stored) and rows of dS."""
-    if SPLIT:  # kd bfloat16 as stored, dS split (forward._split_dot)
-        dU = _split_dot(kd_tile, d_state, dU)
-    else:
-        dU = tl.dot(kd_tile.to(tl.float32), d_state, dU, input_precision=DOT)
-    return dU
-
-
-@triton.jit
-def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, dU, scale, DOT: tl.constexpr, SPLIT: tl.constexpr):
-    """Key rows of the gradient of the state entering a chunk: ``gamma dS + scale qd^T dO - Wk^T
-    dU``; ``d_out`` is dO scaled, or with ``SPLIT`` dO as stored (bfloat16, as qd: their product
-    is exact) and dU split."""
-    if SPLIT:
-        d_state = (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile), d_out) * scale
-                   - _split_dot(tl.trans(Wk_tile), dU, tl.zeros(d_state.shape, dtype=tl.float32)))
-    else:
-        d_state = (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
-                   - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
-    return d_state
+def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, dU, DOT: tl.constexpr):
+    """Key rows of the gradient of the state entering a chunk: ``gamma dS + qd^T dO - Wk^T dU``
+    (``d_out``: dO scaled)."""
+    return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
+            - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
 
 
 @triton.jit
@@ -145,12 +123,9 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
-    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With ``SPLIT``
-    (qd, kd, Wk and dO bfloat16) the products run on bfloat16 operands, dS, dU and P split in two
-    parts; with ``STAGES`` > 1 the next chunks' loads are issued ahead."""
+    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -173,7 +148,7 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             d2 = _state_rows(d_final + i_bh * K * V, 2, KB, K, V, cols_v, v_ok)
             d3 = _state_rows(d_final + i_bh * K * V, 3, KB, K, V, cols_v, v_ok)
-    for step in tl.range(0, chunk_end - chunk_first, num_stages=STAGES):
+    for step in range(chunk_end - chunk_first):
         i_n = chunk_end - 1 - step
         chunk = head * N + i_n
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
@@ -183,8 +158,7 @@ def _state_backward_kernel(
         _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
-        if not SPLIT:
-            d_out = d_out.to(tl.float32) * scale
+        d_out = d_out.to(tl.float32) * scale
         P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -192,26 +166,21 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
-        if SPLIT:  # P split into two bfloat16 parts, dO as stored
-            P_high = P_tile.to(tl.bfloat16)
-            P_low = (P_tile - P_high.to(tl.float32)).to(tl.bfloat16)
-            dU = tl.dot(tl.trans(P_low), d_out, tl.dot(tl.trans(P_high), d_out)) * scale
-        else:
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = _add_kd_times_dS(kd0, d0, dU, DOT, SPLIT)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+        dU = tl.dot(kd0.to(tl.float32), d0, dU, input_precision=DOT)
         if BLOCKS > 1:
-            dU = _add_kd_times_dS(kd1, d1, dU, DOT, SPLIT)
+            dU = tl.dot(kd1.to(tl.float32), d1, dU, input_precision=DOT)
         if BLOCKS > 2:
-            dU = _add_kd_times_dS(kd2, d2, dU, DOT, SPLIT)
-            dU = _add_kd_times_dS(kd3, d3, dU, DOT, SPLIT)
+            dU = tl.dot(kd2.to(tl.float32), d2, dU, input_precision=DOT)
+            dU = tl.dot(kd3.to(tl.float32), d3, dU, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
-        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, scale, DOT, SPLIT)
+        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
         if BLOCKS > 1:
-            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, scale, DOT, SPLIT)
+            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
         if BLOCKS > 2:
-            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, scale, DOT, SPLIT)
-            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, scale, DOT, SPLIT)
+            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
+            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
     if STORE_INITIAL:
         _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
 
@@ -232,8 +201,6 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None,
-        SPLIT=STATE_BACKWARD_SPLIT_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
-        STAGES=STATE_BACKWARD_STAGES if N > 1 else 1,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
