@@ -321,7 +321,6 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     def saved(name):  # the dtype of a saved buffer, as the operator allocates it
         return "bf16" if inp == "bf16" and name in operator.SAVED_IN_BFLOAT16 else f32
 
-
     saved_states = saved("states")
     bk = max(16, triton.next_power_of_2(K))
     out = {}

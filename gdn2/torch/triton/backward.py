@@ -84,25 +84,6 @@ def _store_state_blocks(state, d0, d1, d2, d3, BLOCKS: tl.constexpr, KB: tl.cons
 
 
 @triton.jit
-def _query_and_erase_blocks(qd, Wk, row0, BLOCKS: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
-    """The first BLOCKS blocks of key columns of a chunk's qd and Wk, each block's pair together
-    (the blocks past BLOCKS: zeros that nothing reads)."""
-    qd1 = tl.zeros((64, KB), dtype=qd.dtype.element_ty)
-    qd2 = qd1
-    qd3 = qd1
-    Wk1 = tl.zeros((64, KB), dtype=Wk.dtype.element_ty)
-    Wk2 = Wk1
-    Wk3 = Wk1
-    qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
-    if BLOCKS > 1:
-        qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
-    if BLOCKS > 2:
-        qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
-        qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-    return qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3
-
-
-@triton.jit
 def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
     cols_k = b * KB + tl.arange(0, KB)
     return tl.load(gamma + chunk * K + cols_k, mask=cols_k < K, other=0.0)
@@ -174,7 +155,12 @@ def _state_backward_kernel(
             dU = tl.dot(kd2.to(tl.float32), d2, dU, input_precision=DOT)
             dU = tl.dot(kd3.to(tl.float32), d3, dU, input_precision=DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
-        qd0, qd1, qd2, qd3, Wk0, Wk1, Wk2, Wk3 = _query_and_erase_blocks(qd, Wk, row0, BLOCKS, KB, K)
+        qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
+        if BLOCKS > 1:
+            qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
+        if BLOCKS > 2:
+            qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
+            qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
         d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
         if BLOCKS > 1:
             d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
