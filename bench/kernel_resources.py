@@ -386,7 +386,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              d_leaving=f32, d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
-             HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed),
+             HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
+             STAGES=bw.STATE_BACKWARD_STAGES if saved("qd") == "bf16" else 1),
         bw.STATE_BACKWARD_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

@@ -56,6 +56,10 @@ CHECK_SHAPES = [
 # (sequence lengths, H, K, V): packed in one row (cu_seqlens), g in [-20, 0], an initial and a
 # final state per sequence: sequences shorter than, as long as and longer than a chunk, one token,
 # an empty one.
+# (B, T, H, K, V): shapes at which a variant's bf16 results are compared with the default's on
+# the same inputs, chosen for the value blocks the sequential passes take (16, 32 and 64 columns
+# at K = V = 128: value_block shrinks them for few heads), K = V = 64 and T not a multiple of 64.
+AGREEMENT_SHAPES = [(1, 700, 2, 128, 128), (4, 520, 16, 128, 128), (8, 300, 16, 128, 128), (16, 190, 32, 64, 64)]
 PACKED_CHECK_SHAPES = [
     ([1, 63, 64, 65, 200, 0, 130, 17], 2, 128, 128),
     ([300, 5, 0, 77], 2, 64, 64),
@@ -81,6 +85,11 @@ VARIANTS: list[dict] = [
     # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B; H200 2026-12-05:
     # forward+backward 8.705 / 8.157 ms against 8.547 / 8.153)
     dict(STATE_BACKWARD_KEY_BLOCK=64),
+    # the reverse state pass loading a chunk ahead (bf16 saved buffers only) in blocks of 64 key
+    # rows (sm_90a: 104.5 KiB of shared memory, two programs a multiprocessor, 516 B of spills)
+    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_KEY_BLOCK=64),
+    # the same in one block of 128 rows (120.5 KiB, one program a multiprocessor)
+    dict(STATE_BACKWARD_STAGES=2),
 ]
 
 
@@ -111,6 +120,22 @@ def check_packed(lengths, H, K, V, dtype, seed, device="cuda"):
     nonzero gradient flows into every final state)."""
     case = packed_case(seed, lengths, H=H, K=K, V=V)
     return worst_error(run_torch(case, str(dtype).rsplit(".", 1)[-1], 64, "kernel", device=device), case["expected"])[2]
+
+
+def agreement(variant, shape, seed, device="cuda"):
+    """The largest relative difference, over o, the final state and every gradient, between gdn2's
+    kernels under ``variant`` and under the default settings, on the same bf16 inputs (random
+    initial state and upstream gradients)."""
+    B, T, H, K, V = shape
+    case = make_case(B, T, H, K, V, seed, log_decay_range=(-20.0, 0.0), reference=False)
+    default = torch_gradients(case, "bfloat16", gdn2_kernel, device)
+    previous = set_launch(variant)
+    try:
+        with no_fallback():
+            changed = torch_gradients(case, "bfloat16", gdn2_kernel, device)
+    finally:
+        set_launch(previous)
+    return worst_error(changed, default)[2]
 
 
 def timing_inputs(B, T, H, K, V, dtype, seed=0):
@@ -309,10 +334,16 @@ def main():
         result["variants"] = []
         chosen = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
         for variant in chosen:
-            previous = set_launch(variant)
+            previous = None
             try:
                 checks = {}
-                for dtype in (torch.float32, torch.bfloat16):  # a variant must be right, too
+                for index, shape in enumerate(AGREEMENT_SHAPES):  # the same results as the default
+                    differences = agreement(variant, shape, args.seed + 200 + index)
+                    checks[f"agreement_{index}"] = max(differences.values())
+                    print(f"variant {variant} against the default at {shape}, bf16: "
+                          + " ".join(f"{n} {e:.1e}" for n, e in differences.items()), flush=True)
+                previous = set_launch(variant)
+                for dtype in (torch.float32, torch.bfloat16):  # and right against the spec
                     checks[f"worst_{str(dtype).rsplit('.', 1)[-1]}"] = checked("gdn2", gdn2_kernel, dtype, 1)["worst"]
                 for index in timed:
                     shape = TIMING_SHAPES[index]
@@ -324,7 +355,8 @@ def main():
                 result["variants"].append(dict(variant=variant, error=f"{type(error).__name__}: {error}"[:300]))
                 print("variant", variant, result["variants"][-1]["error"], flush=True)
                 save()
-            set_launch(previous)
+            if previous is not None:
+                set_launch(previous)
 
     print("\n| shape B,T,H,K=V | gdn2 fwd ms | fla fwd ms | ratio | gdn2 fwd+bwd ms | fla fwd+bwd ms | ratio "
           "| gdn2 peak GiB | fla peak GiB | ratio |")

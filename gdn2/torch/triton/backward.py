@@ -43,6 +43,7 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _loa
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
+STATE_BACKWARD_STAGES = 1
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead (num_stages=2) gave
 # non-finite float32 results and, split at 32 value columns, a wrong bfloat16 gradient (Triton 3.6).
@@ -104,6 +105,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -129,7 +131,7 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             d2 = _state_rows(d_final + i_bh * K * V, 2, KB, K, V, cols_v, v_ok)
             d3 = _state_rows(d_final + i_bh * K * V, 3, KB, K, V, cols_v, v_ok)
-    for step in range(chunk_end - chunk_first):
+    for step in tl.range(0, chunk_end - chunk_first, num_stages=STAGES):
         i_n = chunk_end - 1 - step
         chunk = head * N + i_n
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
@@ -186,7 +188,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None,
+        PACKED=chunk_table is not None, STAGES=STATE_BACKWARD_STAGES if N > 1 and qd.dtype == torch.bfloat16 else 1,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
