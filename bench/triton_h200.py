@@ -85,11 +85,15 @@ VARIANTS: list[dict] = [
     # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B; H200 2026-12-05:
     # forward+backward 8.705 / 8.157 ms against 8.547 / 8.153)
     dict(STATE_BACKWARD_KEY_BLOCK=64),
-    # the reverse state pass loading a chunk ahead (bf16 saved buffers only) in blocks of 64 key
-    # rows (sm_90a: 104.5 KiB of shared memory, two programs a multiprocessor, 516 B of spills)
-    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_KEY_BLOCK=64),
-    # the same in one block of 128 rows (120.5 KiB, one program a multiprocessor)
-    dict(STATE_BACKWARD_STAGES=2),
+    # the reverse state pass loading a chunk ahead at K = 128 too (bf16 saved buffers), in blocks
+    # of 64 key rows (sm_90a: 104.5 KiB of shared memory, 516 B of spills; H200 2026-12-05:
+    # forward+backward 8.656 ms against 8.554 at the first shape) or in one block of 128 (120.5
+    # KiB, one program a multiprocessor: 9.215)
+    dict(STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_KEY_BLOCK=64),
+    dict(STATE_BACKWARD_MAX_STAGED_K=128),
+    # the reverse state pass loading nothing ahead at K <= 64 either (the form before: 8.160 ms
+    # forward+backward at the third shape against 8.113)
+    dict(STATE_BACKWARD_STAGES=1),
 ]
 
 

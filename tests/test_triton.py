@@ -737,6 +737,21 @@ def test_state_pass_widens_its_products_without_loads_ahead():
             assert not forward.state_split_products(False, forward.state_stages(BK, N))
 
 
+def test_state_backward_loads_ahead_only_where_built_right():
+    """The reverse state pass loads a chunk ahead only with bfloat16 saved buffers (float32 ones
+    gave non-finite results on the H200 with Triton 3.6), at K <= 64 (at 128 it was slower) and
+    over more than one chunk."""
+    from gdn2.torch.triton import backward
+
+    assert backward.STATE_BACKWARD_STAGES > 1
+    for K in (16, 40, 64):
+        assert backward.state_backward_stages(K, 2, True) == backward.STATE_BACKWARD_STAGES
+        assert backward.state_backward_stages(K, 64, False) == 1
+        assert backward.state_backward_stages(K, 1, True) == 1
+    for K in (65, 128, 256):
+        assert backward.state_backward_stages(K, 64, True) == 1
+
+
 def test_register_caps_name_launches():
     """Every launch ``MAX_REGISTERS`` caps is a launch that asks for its cap (a misspelt name would
     cap nothing, silently), and the caps are ones ptxas takes (24 to 255 registers)."""
@@ -808,7 +823,8 @@ def _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans):
 
 @pytest.mark.parametrize("K, V, key_block, bfloat16", [
     (128, 64, 128, False), (128, 64, 64, False), (200, 24, 128, False), (200, 24, 64, False),
-    (40, 40, 32, False), (40, 40, 128, False), (128, 64, 128, True), (200, 24, 64, True)], ids=lambda x: str(x))
+    (40, 40, 32, False), (40, 40, 128, False), (128, 64, 128, True), (200, 24, 64, True), (64, 48, 128, True)],
+    ids=lambda x: str(x))
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_state_backward_key_blocks(K, V, key_block, bfloat16, packed, seed, interpreter, monkeypatch):
     """The reverse state pass alone, the state's gradient in one block of key rows or in two and

@@ -43,10 +43,17 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _loa
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
-STATE_BACKWARD_STAGES = 1
+# Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
+# ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers (H200, 2026-12-05,
+# forward+backward at B=16 T=2048 H=32 K=V=64: 8.160 -> 8.113 ms, 197 registers, no spills). At
+# K = 128 it lost: one block of 128 key rows takes 120.5 KiB of shared memory (one program a
+# multiprocessor: 8.554 -> 9.215 ms at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
+STATE_BACKWARD_STAGES = 2
+STATE_BACKWARD_MAX_STAGED_K = 64
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
-# P split in two parts) faulted without loads ahead; the loads a chunk ahead (num_stages=2) gave
-# non-finite float32 results and, split at 32 value columns, a wrong bfloat16 gradient (Triton 3.6).
+# P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
+# float32 results (float32 saved buffers) and, with split products at 32 value columns, a wrong
+# bfloat16 gradient (Triton 3.6).
 
 
 @triton.jit
@@ -188,9 +195,17 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=STATE_BACKWARD_STAGES if N > 1 and qd.dtype == torch.bfloat16 else 1,
+        PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16),
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
+
+
+def state_backward_stages(K: int, N: int, bfloat16: bool) -> int:
+    """The reverse pass's ``STAGES``: loads a chunk ahead (``STATE_BACKWARD_STAGES``) only with
+    qd, kd and Wk saved in bfloat16 (with float32 buffers Triton 3.6 builds the loop wrong for the
+    H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` (above, it was slower) and
+    over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead)."""
+    return STATE_BACKWARD_STAGES if bfloat16 and K <= STATE_BACKWARD_MAX_STAGED_K and N > 1 else 1
 
 
 def state_backward_key_block(K: int) -> int:
