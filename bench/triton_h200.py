@@ -96,6 +96,9 @@ VARIANTS: list[dict] = [
     # the reverse state pass loading nothing ahead at K <= 64 either (the form before: 8.160 ms
     # forward+backward at the third shape against 8.113)
     dict(STATE_BACKWARD_STAGES=1),
+    # timing probe: the intra-forward launch without screening k, b and g for non-finite values
+    # (11% fewer instructions in its key loop on sm_90a; wrong for non-finite inputs, never a default)
+    dict(INTRA_FORWARD_SCREENS=False),
 ]
 
 
