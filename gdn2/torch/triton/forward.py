@@ -60,6 +60,7 @@ WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
 INTRA_FORWARD_KEY_BLOCK = 16
 INTRA_FORWARD_SCREENS = True  # False: a timing probe only (non-finite k, b or g reach other rows)
+INTRA_FORWARD_HEADS_REVERSED = False
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -502,6 +503,7 @@ def _intra_forward_kernel(
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, SCREEN: tl.constexpr,
+    HEADS_REVERSED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -515,6 +517,8 @@ def _intra_forward_kernel(
     NaN or +inf g: ``key_first_bad_out``)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
+    if HEADS_REVERSED:  # the heads the diagonal launch read last first (their inputs still in L2)
+        i_bh = tl.num_programs(1) - 1 - i_bh
     i_b = i_bh // H
     i_h = i_bh % H
     t0, end = _chunk_span(chunk_table, i_n, T, PACKED)
@@ -815,7 +819,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, SCREEN=INTRA_FORWARD_SCREENS, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, SCREEN=INTRA_FORWARD_SCREENS,
+        HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
