@@ -737,13 +737,13 @@ def test_state_pass_widens_its_products_without_loads_ahead():
             assert not forward.state_split_products(False, forward.state_stages(BK, N))
 
 
-def test_state_backward_loads_ahead_only_where_built_right():
-    """The reverse state pass loads a chunk ahead only with bfloat16 saved buffers (float32 ones
-    gave non-finite results on the H200 with Triton 3.6), at K <= 64 (at 128 it was slower) and
-    over more than one chunk."""
+def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
+    """With its loads ahead on (``STATE_BACKWARD_STAGES``), the reverse state pass loads a chunk
+    ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with
+    Triton 3.6), at K <= 64 (at 128 it was slower) and over more than one chunk."""
     from gdn2.torch.triton import backward
 
-    assert backward.STATE_BACKWARD_STAGES > 1
+    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)
     for K in (16, 40, 64):
         assert backward.state_backward_stages(K, 2, True) == backward.STATE_BACKWARD_STAGES
         assert backward.state_backward_stages(K, 64, False) == 1
@@ -829,13 +829,15 @@ def _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans):
 def test_state_backward_key_blocks(K, V, key_block, bfloat16, packed, seed, interpreter, monkeypatch):
     """The reverse state pass alone, the state's gradient in one block of key rows or in two and
     four (``STATE_BACKWARD_KEY_BLOCK``, K not a multiple of the block: a partial last one), qd,
-    kd, Wk and dO float32 or bfloat16 (widened where read), against the recurrence in
+    kd, Wk and dO float32 or bfloat16 (widened where read; bfloat16 at K <= 64 in the form that
+    loads a chunk ahead), against the recurrence in
     float64 on the same values: the gradient of the state leaving each chunk, of U, and of the
     initial state; a partial last chunk, packed sequences (a chunk table) with one of a single
     chunk."""
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_KEY_BLOCK", key_block)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)  # the loads-ahead form where it applies
     rng = np.random.default_rng(seed)
     H, scale = 2, 0.3
     if packed:  # sequences of 100 and 30 tokens: chunks (0, 64), (64, 36), (100, 30)

@@ -44,11 +44,14 @@ STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
 # Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
-# ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers (H200, 2026-12-05,
-# forward+backward at B=16 T=2048 H=32 K=V=64: 8.160 -> 8.113 ms, 197 registers, no spills). At
-# K = 128 it lost: one block of 128 key rows takes 120.5 KiB of shared memory (one program a
-# multiprocessor: 8.554 -> 9.215 ms at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
-STATE_BACKWARD_STAGES = 2
+# ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers. Timed at 2 (H200,
+# 2026-12-05): forward+backward at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (197 registers, no
+# spills), results bit-identical to the loop without loads ahead at 64 value columns; not yet
+# run at 16 and 32 value columns on a GPU (Triton 3.6 built other forms of this loop wrong at
+# 32), so not the default until it is. At K = 128 it lost: one block of 128 key rows takes 120.5
+# KiB of shared memory (one program a multiprocessor: 8.554 -> 9.215 ms at B=8 T=4096 H=16),
+# two blocks of 64 spill 516 B (8.656).
+STATE_BACKWARD_STAGES = 1  # 2 is the form timed; checked at 64 value columns only so far
 STATE_BACKWARD_MAX_STAGED_K = 64
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
