@@ -61,6 +61,9 @@ WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the f
 INTRA_FORWARD_KEY_BLOCK = 16
 INTRA_FORWARD_SCREENS = True  # False: a timing probe only (non-finite k, b or g reach other rows)
 INTRA_FORWARD_HEADS_REVERSED = False
+# The diagonal tiles made by the intra-forward launch, each program's four sub-blocks in turn
+# before its key loop, instead of by a launch of their own (q, k, b and g read from DRAM once).
+DIAGONAL_IN_INTRA_FORWARD = False
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -503,7 +506,8 @@ def _intra_forward_kernel(
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, SCREEN: tl.constexpr,
-    HEADS_REVERSED: tl.constexpr,
+    HEADS_REVERSED: tl.constexpr, DIAGONAL: tl.constexpr, DIAGONAL_BK: tl.constexpr,
+    DIAGONAL_STAGES_: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -525,6 +529,12 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
+    if DIAGONAL:  # the diagonal tiles here too, sub-block by sub-block (no diagonal launch)
+        for I in range(4):
+            tile = _tile_entry(I, I, 0, 0)
+            _diagonal_by_groups(q + key_base, k + key_base, g + key_base, b + key_base,
+                                _chunk_matrix(P_out, chunk) + tile, _chunk_matrix(A_out, chunk) + tile,
+                                t0 + I * 16, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT, STAGES, SCREEN)
@@ -810,7 +820,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy the rounding of
     # X alone does not).
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-    diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
+    if not DIAGONAL_IN_INTRA_FORWARD:
+        diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
     # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
     in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK
@@ -820,7 +831,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, SCREEN=INTRA_FORWARD_SCREENS,
-        HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=DIAGONAL_IN_INTRA_FORWARD,
+        DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES_=DIAGONAL_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
