@@ -332,13 +332,16 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
              SCREEN=fk.INTRA_FORWARD_SCREENS, HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED,
-             DIAGONAL=fk.DIAGONAL_IN_INTRA_FORWARD, DIAGONAL_BK=min(fk.DIAGONAL_KEY_BLOCK, bk),
+             DIAGONAL=fk.diagonal_phase(), DIAGONAL_BK=min(fk.DIAGONAL_KEY_BLOCK, bk),
              DIAGONAL_STAGES_=fk.DIAGONAL_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
-    if fk.DIAGONAL_IN_INTRA_FORWARD:  # the diagonal's key loop inside the loop over sub-blocks, first
-        LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk)), 4] + LOOP_TRIPS["intra_forward"]
+    diagonal_trips = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk)), 4]  # its key loop inside the loop over sub-blocks
+    if fk.DIAGONAL_IN_INTRA_FORWARD == "before":
+        LOOP_TRIPS["intra_forward"] = diagonal_trips + LOOP_TRIPS["intra_forward"]
+    elif fk.DIAGONAL_IN_INTRA_FORWARD == "after":
+        LOOP_TRIPS["intra_forward"] = LOOP_TRIPS["intra_forward"] + diagonal_trips
     PROGRAMS["intra_forward"] = chunks * heads
     out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
                       dict(PRECISION=dot), fk.INVERSE_WARPS)

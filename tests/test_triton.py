@@ -674,19 +674,29 @@ def test_unwritten_entries_are_never_read(seed, interpreter, monkeypatch):
         assert np.array_equal(value, poisoned[name]), name
 
 
+@pytest.mark.parametrize("place", ["before", "after"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_diagonal_in_intra_forward_is_the_same(packed, seed, interpreter, monkeypatch):
+def test_diagonal_in_intra_forward_is_the_same(place, packed, seed, interpreter, monkeypatch):
     """``DIAGONAL_IN_INTRA_FORWARD`` (the intra-forward launch making the diagonal tiles too, no
     diagonal launch) fills every buffer bit for bit as the two launches do, on the inputs of
     ``test_intra_forward_writes_every_entry`` (hard resets, non-finite values, packed sequences)."""
     from gdn2.torch.triton import forward
 
     expected, expected_bad = _intra_forward_filled(packed, torch.float32, seed)
-    monkeypatch.setattr(forward, "DIAGONAL_IN_INTRA_FORWARD", True)
+    monkeypatch.setattr(forward, "DIAGONAL_IN_INTRA_FORWARD", place)
     filled, first_bad = _intra_forward_filled(packed, torch.float32, seed)
     assert torch.equal(first_bad, expected_bad)
     for name, buffer in filled.items():
         assert torch.equal(buffer, expected[name]), name
+
+
+def test_diagonal_in_intra_forward_names_its_place(interpreter, monkeypatch):
+    """A ``DIAGONAL_IN_INTRA_FORWARD`` other than None, "before" or "after" is refused by name."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "DIAGONAL_IN_INTRA_FORWARD", True)
+    with pytest.raises(ValueError, match="DIAGONAL_IN_INTRA_FORWARD: expected None, 'before' or 'after', received True"):
+        _intra_forward_filled(False, torch.float32, 0)
 
 
 def _intra_forward_filled(packed, dtype, seed):

@@ -62,8 +62,9 @@ INTRA_FORWARD_KEY_BLOCK = 16
 INTRA_FORWARD_SCREENS = True  # False: a timing probe only (non-finite k, b or g reach other rows)
 INTRA_FORWARD_HEADS_REVERSED = False
 # The diagonal tiles made by the intra-forward launch, each program's four sub-blocks in turn
-# before its key loop, instead of by a launch of their own (q, k, b and g read from DRAM once).
-DIAGONAL_IN_INTRA_FORWARD = False
+# before its key loop ("before") or after it ("after"), instead of by a launch of their own (None):
+# q, k, b and g read from DRAM once.
+DIAGONAL_IN_INTRA_FORWARD: str | None = None
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -529,17 +530,26 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if DIAGONAL:  # the diagonal tiles here too, sub-block by sub-block (no diagonal launch)
-        for I in range(4):
-            tile = _tile_entry(I, I, 0, 0)
-            _diagonal_by_groups(q + key_base, k + key_base, g + key_base, b + key_base,
-                                _chunk_matrix(P_out, chunk) + tile, _chunk_matrix(A_out, chunk) + tile,
-                                t0 + I * 16, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
+    if DIAGONAL == 1:  # the diagonal tiles here too (no diagonal launch), before the key loop
+        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT, STAGES, SCREEN)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
+    if DIAGONAL == 2:  # or after it
+        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
+
+
+@triton.jit
+def _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K: tl.constexpr, BK: tl.constexpr,
+                    DOT: tl.constexpr, STAGES: tl.constexpr):
+    """The four diagonal tiles of one chunk's P and A, sub-block by sub-block (``_diagonal_by_groups``)."""
+    for I in range(4):
+        tile = _tile_entry(I, I, 0, 0)
+        _diagonal_by_groups(q + key_base, k + key_base, g + key_base, b + key_base,
+                            _chunk_matrix(P_out, chunk) + tile, _chunk_matrix(A_out, chunk) + tile,
+                            t0 + I * 16, end, HK, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -803,6 +813,12 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     )
 
 
+def diagonal_phase() -> int:
+    """The intra-forward launch's ``DIAGONAL``: 0 (the diagonal launch makes the diagonal tiles),
+    1 (before its key loop) or 2 (after), from ``DIAGONAL_IN_INTRA_FORWARD``."""
+    return {None: 0, "before": 1, "after": 2}[DIAGONAL_IN_INTRA_FORWARD]
+
+
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and A with the decays, X,
     then the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
@@ -820,7 +836,10 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy the rounding of
     # X alone does not).
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-    if not DIAGONAL_IN_INTRA_FORWARD:
+    if DIAGONAL_IN_INTRA_FORWARD not in (None, "before", "after"):
+        raise ValueError(f"DIAGONAL_IN_INTRA_FORWARD: expected None, 'before' or 'after', received "
+                         f"{DIAGONAL_IN_INTRA_FORWARD!r}")
+    if DIAGONAL_IN_INTRA_FORWARD is None:
         diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
     # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
@@ -831,7 +850,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, SCREEN=INTRA_FORWARD_SCREENS,
-        HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=DIAGONAL_IN_INTRA_FORWARD,
+        HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=diagonal_phase(),
         DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES_=DIAGONAL_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
