@@ -12,7 +12,9 @@ Forms: ``baseline`` (the key loop on one sub-block at a time), ``no_stores`` (no
 exp(G), gamma or first-bad store: what only feeds them goes too, the bad-row tracking among it),
 ``no_scans`` (the span sums down each sub-block replaced by elementwise stand-ins), both, and
 ``no_P_dots`` (P's off-diagonal products left out), ``no_bad_rows`` (no tracking of the first
-bad key-side row; its store kept) and ``no_bkd_store`` (b k exp(G) not stored). Each edit
+bad key-side row; its store kept), ``no_screening`` (no screening of k, b and g for non-finite
+values at all: neither that tracking nor the selects that read a bad value as 0) and
+``no_bkd_store`` (b k exp(G) not stored). Each edit
 asserts that it found its target, so that a changed kernel fails here instead of timing the
 baseline under another name.
 """
@@ -71,6 +73,22 @@ def without_bad_rows(source: str) -> str:
                  lambda body: _blank(body, r"key_bad = tl\.minimum\(key_bad, ", 1, "the bad-row tracking"))
 
 
+def without_screening(source: str) -> str:
+    """Without ``_sub_block``'s screening of k, b and g for non-finite values: the bad-row
+    tracking and the selects that read a bad value as 0 (or a NaN decay as none)."""
+    screening = ("    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))\n"
+                 "    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))\n"
+                 "    k_tile = _finite(k_raw)\n"
+                 "    bk = _finite(b_raw) * k_tile\n"
+                 "    decay = _decay(g_tile)\n")
+
+    def drop(body):
+        assert body.count(screening) == 1, "the screening"
+        return body.replace(screening, "    k_tile = k_raw\n    bk = b_raw * k_tile\n    decay = g_tile\n")
+
+    return _edit(source, "_sub_block", drop)
+
+
 def _drop_scans(body: str) -> str:
     scans = "    L = tl.cumsum(decay, 0)\n    R = _exclusive_suffix(decay)"
     assert body.count(scans) == 1, "the two scans"
@@ -91,7 +109,8 @@ def forms(source: str) -> dict[str, str]:
     """Each form's source."""
     return {"baseline": source, "no_stores": without_stores(source), "no_scans": without_scans(source),
             "no_stores_no_scans": without_scans(without_stores(source)), "no_P_dots": without_P_products(source),
-            "no_bad_rows": without_bad_rows(source), "no_bkd_store": without_bkd_store(source)}
+            "no_bad_rows": without_bad_rows(source), "no_screening": without_screening(source),
+            "no_bkd_store": without_bkd_store(source)}
 
 
 def _load(name: str, text: str, folder: str):
@@ -140,8 +159,8 @@ def main(argv=None) -> dict[str, float | None]:
                 module._intra_forward_kernel[(N, B * H)](
                     q, k, g, b, P, A, qd, kd, bkd, gamma, first_bad, P, T, H, K, N,
                     BK=min(module.INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT="tf32",
-                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, num_warps=module.INTRA_FORWARD_WARPS,
-                    num_stages=1)
+                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, HEADS_REVERSED=False, DIAGONAL=0,
+                    DIAGONAL_BK=16, DIAGONAL_STAGES_=1, num_warps=module.INTRA_FORWARD_WARPS, num_stages=1)
 
             launch()
             if device == "cpu":

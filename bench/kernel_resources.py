@@ -331,7 +331,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
-             SCREEN=fk.INTRA_FORWARD_SCREENS, HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED,
+             HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED,
              DIAGONAL=fk.diagonal_phase(), DIAGONAL_BK=min(fk.DIAGONAL_KEY_BLOCK, bk),
              DIAGONAL_STAGES_=fk.DIAGONAL_STAGES),
         fk.INTRA_FORWARD_WARPS,

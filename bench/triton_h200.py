@@ -97,9 +97,6 @@ VARIANTS: list[dict] = [
     # forward+backward at the third shape against 8.160, bit-identical at 64 value columns; the
     # default once right at every agreement and check shape
     dict(STATE_BACKWARD_STAGES=2),
-    # timing probe: the intra-forward launch without screening k, b and g for non-finite values
-    # (11% fewer instructions in its key loop on sm_90a; wrong for non-finite inputs, never a default)
-    dict(INTRA_FORWARD_SCREENS=False),
     # the intra-forward launch over the heads in reverse order: it starts on the inputs the diagonal
     # launch read last (the H200's 50 MB L2 holds the last ~40 MB of q, k, b and g)
     dict(INTRA_FORWARD_HEADS_REVERSED=True),

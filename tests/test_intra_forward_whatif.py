@@ -34,6 +34,8 @@ def test_every_form_edits_the_kernel(whatif):
     for name in ("no_scans", "no_stores_no_scans"):
         assert "tl.cumsum(decay, 0)" not in body(forms[name], "_sub_block"), name
     assert "key_bad = tl.minimum(" not in body(forms["no_bad_rows"], "_sub_block")
+    screened = body(forms["no_screening"], "_sub_block")
+    assert "key_bad = tl.minimum(" not in screened and "_finite(" not in screened and "_decay(" not in screened
     assert "tl.store(key_first_bad_out" in body(forms["no_bad_rows"], "_off_diagonal_tiles")
     assert "P10 += tl.dot(" not in forms["no_P_dots"] and "A10 += tl.dot(" in forms["no_P_dots"]
 
@@ -45,6 +47,8 @@ def test_an_edit_that_misses_fails(whatif):
         whatif.without_P_products("def _off_diagonal_tiles():\n    x = 1\n@triton.jit\n")
     with pytest.raises((AssertionError, ValueError)):
         whatif.without_bad_rows("def _sub_block():\n    return 0\n@triton.jit\n")
+    with pytest.raises((AssertionError, ValueError)):
+        whatif.without_screening("def _sub_block():\n    return 0\n@triton.jit\n")
 
 
 def test_every_form_launches_under_the_interpreter(whatif, monkeypatch):

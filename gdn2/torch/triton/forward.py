@@ -59,7 +59,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
 INTRA_FORWARD_KEY_BLOCK = 16
-INTRA_FORWARD_SCREENS = True  # False: a timing probe only (non-finite k, b or g reach other rows)
 INTRA_FORWARD_HEADS_REVERSED = False
 # The diagonal tiles made by the intra-forward launch, each program's four sub-blocks in turn
 # before its key loop ("before") or after it ("after"), instead of by a launch of their own (None):
@@ -239,7 +238,7 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SCREEN: tl.constexpr = True):
+def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
@@ -254,16 +253,11 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SCREEN: tl.
     k_raw = k_raw.to(tl.float32)
     b_raw = b_raw.to(tl.float32)
     g_tile = g_raw.to(tl.float32)
-    if SCREEN:
-        bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
-        key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
-        k_tile = _finite(k_raw)
-        bk = _finite(b_raw) * k_tile
-        decay = _decay(g_tile)
-    else:  # a timing probe: the cost of the screening (wrong for non-finite inputs)
-        k_tile = k_raw
-        bk = b_raw * k_tile
-        decay = g_tile
+    bad = (g_tile != _decay(g_tile)) | (k_raw != _finite(k_raw)) | (b_raw != _finite(b_raw))
+    key_bad = tl.minimum(key_bad, tl.where(bad, I * 16 + r[:, None], 64))
+    k_tile = _finite(k_raw)
+    bk = _finite(b_raw) * k_tile
+    decay = _decay(g_tile)
     L = tl.cumsum(decay, 0)
     R = _exclusive_suffix(decay)
     return q_tile, k_tile, bk, L, R, L + R, key_bad
@@ -506,7 +500,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, SCREEN: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
     HEADS_REVERSED: tl.constexpr, DIAGONAL: tl.constexpr, DIAGONAL_BK: tl.constexpr,
     DIAGONAL_STAGES_: tl.constexpr,
 ):
@@ -534,7 +528,7 @@ def _intra_forward_kernel(
         _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES, SCREEN)
+        chunk, K, BK, DOT, STAGES)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
     if DIAGONAL == 2:  # or after it
@@ -585,8 +579,7 @@ def _invert_chunk(A, X_out, PRECISION: tl.constexpr):
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
-                        SCREEN: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -615,14 +608,14 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, SCREEN)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
         left = tl.exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
         _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = tl.exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * tl.exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad, SCREEN)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
         left = tl.exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -634,7 +627,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         right0 = right0 * decay1
         right1 = k1 * tl.exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad, SCREEN)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
         left = tl.exp(L2)
         # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
@@ -650,7 +643,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         right1 = right1 * decay2
         right2 = k2 * tl.exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad, SCREEN)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
         left = tl.exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
@@ -849,8 +842,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, SCREEN=INTRA_FORWARD_SCREENS,
-        HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=diagonal_phase(),
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=diagonal_phase(),
         DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES_=DIAGONAL_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
