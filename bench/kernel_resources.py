@@ -333,7 +333,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
              HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED,
              DIAGONAL=fk.diagonal_phase(), DIAGONAL_BK=min(fk.DIAGONAL_KEY_BLOCK, bk),
-             DIAGONAL_STAGES_=fk.DIAGONAL_STAGES),
+             DIAGONAL_STAGES=fk.DIAGONAL_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]

@@ -502,7 +502,7 @@ def _intra_forward_kernel(
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
     HEADS_REVERSED: tl.constexpr, DIAGONAL: tl.constexpr, DIAGONAL_BK: tl.constexpr,
-    DIAGONAL_STAGES_: tl.constexpr,
+    DIAGONAL_STAGES: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -525,14 +525,14 @@ def _intra_forward_kernel(
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
     if DIAGONAL == 1:  # the diagonal tiles here too (no diagonal launch), before the key loop
-        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
+        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES)
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT, STAGES)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
     if DIAGONAL == 2:  # or after it
-        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES_)
+        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES)
 
 
 @triton.jit
@@ -843,7 +843,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=diagonal_phase(),
-        DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES_=DIAGONAL_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
+        DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES=DIAGONAL_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
         **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
