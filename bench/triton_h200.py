@@ -56,16 +56,16 @@ CHECK_SHAPES = [
 # (sequence lengths, H, K, V): packed in one row (cu_seqlens), g in [-20, 0], an initial and a
 # final state per sequence: sequences shorter than, as long as and longer than a chunk, one token,
 # an empty one.
+PACKED_CHECK_SHAPES = [
+    ([1, 63, 64, 65, 200, 0, 130, 17], 2, 128, 128),
+    ([300, 5, 0, 77], 2, 64, 64),
+]
 # (B, T, H, K, V): shapes at which a variant's bf16 results are compared with the default's on
 # the same inputs, chosen for the value blocks the sequential passes take (16, 32 and 64 columns
 # at K = V = 128: value_block shrinks them for few heads; 32 and 64 at K = V = 64), T not a
 # multiple of 64.
 AGREEMENT_SHAPES = [(1, 700, 2, 128, 128), (4, 520, 16, 128, 128), (8, 300, 16, 128, 128), (8, 190, 16, 64, 64),
                     (16, 190, 32, 64, 64)]
-PACKED_CHECK_SHAPES = [
-    ([1, 63, 64, 65, 200, 0, 130, 17], 2, 128, 128),
-    ([300, 5, 0, 77], 2, 64, 64),
-]
 # Launch-setting variants of gdn2 go here (module constants of its kernel launchers, e.g.
 # ``dict(STATE_WARPS=8)``), timed at every timed shape and checked (``--variants``); the
 # ones timed before are in bench/RESULTS.md.

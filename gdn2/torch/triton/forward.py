@@ -59,10 +59,12 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
 INTRA_FORWARD_KEY_BLOCK = 16
+# The intra-forward launch over the heads in reverse order, so that it starts on the q, k, b and g
+# the diagonal launch read last (still in L2); untimed.
 INTRA_FORWARD_HEADS_REVERSED = False
 # The diagonal tiles made by the intra-forward launch, each program's four sub-blocks in turn
 # before its key loop ("before") or after it ("after"), instead of by a launch of their own (None):
-# q, k, b and g read from DRAM once.
+# q, k, b and g read from DRAM once; untimed.
 DIAGONAL_IN_INTRA_FORWARD: str | None = None
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
@@ -809,7 +811,11 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
 def diagonal_phase() -> int:
     """The intra-forward launch's ``DIAGONAL``: 0 (the diagonal launch makes the diagonal tiles),
     1 (before its key loop) or 2 (after), from ``DIAGONAL_IN_INTRA_FORWARD``."""
-    return {None: 0, "before": 1, "after": 2}[DIAGONAL_IN_INTRA_FORWARD]
+    phases = {None: 0, "before": 1, "after": 2}
+    if DIAGONAL_IN_INTRA_FORWARD not in phases:
+        raise ValueError(f"DIAGONAL_IN_INTRA_FORWARD: expected None, 'before' or 'after', received "
+                         f"{DIAGONAL_IN_INTRA_FORWARD!r}")
+    return phases[DIAGONAL_IN_INTRA_FORWARD]
 
 
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
@@ -829,10 +835,8 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy the rounding of
     # X alone does not).
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-    if DIAGONAL_IN_INTRA_FORWARD not in (None, "before", "after"):
-        raise ValueError(f"DIAGONAL_IN_INTRA_FORWARD: expected None, 'before' or 'after', received "
-                         f"{DIAGONAL_IN_INTRA_FORWARD!r}")
-    if DIAGONAL_IN_INTRA_FORWARD is None:
+    phase = diagonal_phase()
+    if phase == 0:
         diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
     # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
@@ -842,9 +846,9 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=diagonal_phase(),
-        DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES=DIAGONAL_STAGES, num_warps=INTRA_FORWARD_WARPS, num_stages=1,
-        **register_cap("intra_forward"),
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=phase,
+        DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES=DIAGONAL_STAGES,
+        num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
