@@ -10,8 +10,9 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
    three shapes, and the peak memory of one forward+backward;
 3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first timed shape
    (flash-linear-attention's where it is timed);
-4. optionally (``--variants``) other launch settings of gdn2's kernels, each timed (at every timed
-   shape, else the first timing shape) and checked.
+4. optionally (``--variants``) other launch settings of gdn2's kernels, each compared with the
+   default settings on the same bf16 inputs (``AGREEMENT_SHAPES``), checked against the spec and
+   timed (at every timed shape, else the first timing shape).
 
 Usage (on the GPU machine)::
 
