@@ -7,7 +7,9 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
    inputs: output, final state and every gradient (a nonzero gradient flows into the final state);
    and gdn2's on packed sequences (``cu_seqlens``) against the spec on each sequence alone;
 2. timing, side by side on the same inputs: forward and forward+backward in bfloat16 at the
-   three shapes, and the peak memory of one forward+backward;
+   three shapes, and the peak memory of one forward+backward; for gdn2 also whether three
+   forward+backward passes there give the same bits (``repeatability``: its kernels use no
+   atomics, so a difference is a race that the small check shapes can miss);
 3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first timed shape
    (flash-linear-attention's where it is timed);
 4. optionally (``--variants``) other launch settings of gdn2's kernels, each compared with the
@@ -154,18 +156,37 @@ def agreement(variant, shape, seed, device="cuda"):
     return worst_error(changed, default)[2]
 
 
-def timing_inputs(B, T, H, K, V, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def timing_inputs(B, T, H, K, V, dtype, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape):
-        return torch.rand(*shape, device="cuda", generator=gen)
+        return torch.rand(*shape, device=device, generator=gen)
 
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, device="cuda", generator=gen)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen))
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, device=device, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen))
     b, w = rand(B, T, H, K), rand(B, T, H, V)
     return [x.to(dtype).requires_grad_() for x in (q, k, v, g, b, w)]
+
+
+def repeatability(function, shape, runs=3, dtype=torch.bfloat16, device="cuda"):
+    """Whether ``runs`` forward+backward passes on the same inputs give bit-identical o and
+    gradients (gdn2's kernels use no atomics: a difference is a race, which checks at small shapes
+    can miss), and the largest absolute difference from the first run. At the timing shapes: every
+    multiprocessor full, as when timed."""
+    inputs = timing_inputs(*shape, dtype, seed=1, device=device)
+    d_o = torch.randn(inputs[2].shape, generator=torch.Generator(device=device).manual_seed(2), device=device).to(dtype)
+    results = []
+    for _ in range(runs):
+        for x in inputs:
+            x.grad = None
+        o, _ = function(*inputs)
+        o.backward(d_o)
+        results.append([o.detach().clone()] + [x.grad.clone() for x in inputs])
+    difference = max((a.float() - b.float()).abs().max().item() for later in results[1:] for a, b in zip(results[0], later))
+    same = all(torch.equal(a, b) for later in results[1:] for a, b in zip(results[0], later))
+    return dict(repeatable=same, repeat_difference=difference)
 
 
 def bench_ms(fn, rep_ms=400):
@@ -217,7 +238,12 @@ def time_one(function, shape, dtype=torch.bfloat16, strict=False):
     forward_backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    return dict(fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, peak_gib=peak / 2**30, peak_over_inputs_gib=(peak - base) / 2**30)
+    result = dict(fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, peak_gib=peak / 2**30, peak_over_inputs_gib=(peak - base) / 2**30)
+    if strict:  # gdn2's: the same bits in every run at this shape
+        del inputs, d_o
+        torch.cuda.empty_cache()
+        result.update(repeatability(function, shape))
+    return result
 
 
 def profile_one(function, shape, iterations=5, dtype=torch.bfloat16):

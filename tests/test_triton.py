@@ -386,6 +386,30 @@ def test_h200_bench_checks_packed_sequences(interpreter, seed, monkeypatch):
     assert max(errors.values()) <= 1e-4, (errors, seed)
 
 
+def test_h200_bench_repeatability(interpreter, monkeypatch):
+    """``bench/triton_h200.py``'s repeatability check (the same bits in every forward+backward at
+    a timing shape) on the CPU at a small size: the kernel path repeats itself, and a function
+    that does not is caught."""
+    from pathlib import Path
+
+    from tests.bench_scripts import load_bench
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = load_bench("triton_h200", "triton_h200_repeatability")
+    shape = (1, 70, 2, 16, 8)
+    result = bench.repeatability(bench.gdn2_kernel, shape, runs=2, dtype=torch.float32, device="cpu")
+    assert result == dict(repeatable=True, repeat_difference=0.0)
+    calls = []
+
+    def drifting(q, k, v, g, b, w):  # a different rounding on every call
+        calls.append(None)
+        o, state = bench.gdn2_kernel(q, k, v, g, b, w)
+        return o * (1 + 1e-3 * len(calls)), state
+
+    result = bench.repeatability(drifting, shape, runs=2, dtype=torch.float32, device="cpu")
+    assert not result["repeatable"] and result["repeat_difference"] > 0
+
+
 def test_packed_input_reaches_the_kernels_unpadded(monkeypatch):
     """The dispatch hands packed input to the Triton backend as it is (the kernels take the
     offsets), not as a padded batch."""
