@@ -53,6 +53,10 @@ STATE_BACKWARD_MIN_PROGRAMS = 256
 # two blocks of 64 spill 516 B (8.656).
 STATE_BACKWARD_STAGES = 1  # 2 is the form timed; checked at 64 value columns only so far
 STATE_BACKWARD_MAX_STAGED_K = 64
+# Products on bfloat16 operands where qd, kd, Wk and dO are bfloat16, as flash-linear-attention's
+# reverse pass runs them: qd^T dO as stored (exact), kd dS and Wk^T dU with dS and dU rounded to
+# bfloat16 (P^T dO stays TF32 on P in float32). No operand goes through shared memory transposed.
+STATE_BACKWARD_ROUNDED_PRODUCTS = False
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
 # float32 results (float32 saved buffers) and, with split products at 32 value columns, a wrong
@@ -101,9 +105,23 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, dU, DOT: tl.constexpr):
+def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr, ROUNDED: tl.constexpr):
+    """``dU + kd dS`` for one block of key columns of kd (as stored) and rows of dS: widened to
+    float32, or with ``ROUNDED`` on kd as stored and dS rounded to bfloat16."""
+    if ROUNDED:
+        return tl.dot(kd_tile, d_state.to(tl.bfloat16), dU)
+    return tl.dot(kd_tile.to(tl.float32), d_state, dU, input_precision=DOT)
+
+
+@triton.jit
+def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, d_stored, scale, dU, DOT: tl.constexpr,
+                       ROUNDED: tl.constexpr):
     """Key rows of the gradient of the state entering a chunk: ``gamma dS + qd^T dO - Wk^T dU``
-    (``d_out``: dO scaled)."""
+    (``d_out``: dO scaled, float32; ``d_stored``: dO as stored). With ``ROUNDED``, qd^T dO on
+    both as stored (bfloat16: exact) and Wk^T dU on dU rounded to bfloat16."""
+    if ROUNDED:
+        return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile), d_stored) * scale
+                - tl.dot(tl.trans(Wk_tile), dU.to(tl.bfloat16)))
     return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
             - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
 
@@ -115,7 +133,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, ROUNDED: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -150,8 +168,8 @@ def _state_backward_kernel(
         leaving = d_leaving + chunk * K * V
         _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
-        d_out = d_out.to(tl.float32) * scale
+        d_stored = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
+        d_out = d_stored.to(tl.float32) * scale
         P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -160,12 +178,12 @@ def _state_backward_kernel(
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = tl.dot(kd0.to(tl.float32), d0, dU, input_precision=DOT)
+        dU = _add_kd_times_dS(kd0, d0, dU, DOT, ROUNDED)
         if BLOCKS > 1:
-            dU = tl.dot(kd1.to(tl.float32), d1, dU, input_precision=DOT)
+            dU = _add_kd_times_dS(kd1, d1, dU, DOT, ROUNDED)
         if BLOCKS > 2:
-            dU = tl.dot(kd2.to(tl.float32), d2, dU, input_precision=DOT)
-            dU = tl.dot(kd3.to(tl.float32), d3, dU, input_precision=DOT)
+            dU = _add_kd_times_dS(kd2, d2, dU, DOT, ROUNDED)
+            dU = _add_kd_times_dS(kd3, d3, dU, DOT, ROUNDED)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -173,12 +191,16 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
             qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
+        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, d_stored, scale,
+                                    dU, DOT, ROUNDED)
         if BLOCKS > 1:
-            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
+            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, d_stored, scale,
+                                    dU, DOT, ROUNDED)
         if BLOCKS > 2:
-            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
-            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
+            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, d_stored, scale,
+                                    dU, DOT, ROUNDED)
+            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, d_stored, scale,
+                                    dU, DOT, ROUNDED)
     if STORE_INITIAL:
         _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
 
@@ -199,6 +221,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16),
+        ROUNDED=STATE_BACKWARD_ROUNDED_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
