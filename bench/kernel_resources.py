@@ -396,7 +396,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
              HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
              STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16"),
-             ROUNDED=bw.STATE_BACKWARD_ROUNDED_PRODUCTS and saved("qd") == inp == "bf16"),
+             **bw.state_backward_rounding(saved("qd") == inp == "bf16")),
         bw.STATE_BACKWARD_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

@@ -801,6 +801,21 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
         assert backward.state_backward_stages(K, 64, True) == 1
 
 
+def test_state_backward_rounding_names_its_gradients(monkeypatch):
+    """``STATE_BACKWARD_ROUNDED`` rounds only with bfloat16 buffers, and a name other than dS or dU
+    is refused by name."""
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", ("dU",))
+    assert backward.state_backward_rounding(True) == dict(ROUND_DS=False, ROUND_DU=True)
+    assert backward.state_backward_rounding(False) == dict(ROUND_DS=False, ROUND_DU=False)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", ("dS", "dU"))
+    assert backward.state_backward_rounding(True) == dict(ROUND_DS=True, ROUND_DU=True)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", ("dQ",))
+    with pytest.raises(ValueError, match="STATE_BACKWARD_ROUNDED: expected names among 'dS' and 'dU', received"):
+        backward.state_backward_rounding(True)
+
+
 def test_register_caps_name_launches():
     """Every launch ``MAX_REGISTERS`` caps is a launch that asks for its cap (a misspelt name would
     cap nothing, silently), and the caps are ones ptxas takes (24 to 255 registers)."""
@@ -871,17 +886,17 @@ def _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans):
 
 
 @pytest.mark.parametrize("K, V, key_block, bfloat16, rounded", [
-    (128, 64, 128, False, False), (128, 64, 64, False, False), (200, 24, 128, False, False),
-    (200, 24, 64, False, False), (40, 40, 32, False, False), (40, 40, 128, False, False),
-    (128, 64, 128, True, False), (200, 24, 64, True, False), (64, 48, 128, True, False), (128, 64, 128, True, True),
-    (200, 24, 64, True, True)], ids=lambda x: str(x))
+    (128, 64, 128, False, ()), (128, 64, 64, False, ()), (200, 24, 128, False, ()),
+    (200, 24, 64, False, ()), (40, 40, 32, False, ()), (40, 40, 128, False, ()),
+    (128, 64, 128, True, ()), (200, 24, 64, True, ()), (64, 48, 128, True, ()), (128, 64, 128, True, ("dU",)),
+    (128, 64, 128, True, ("dS", "dU")), (200, 24, 64, True, ("dS", "dU"))], ids=lambda x: str(x))
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_state_backward_key_blocks(K, V, key_block, bfloat16, rounded, packed, seed, interpreter, monkeypatch):
     """The reverse state pass alone, the state's gradient in one block of key rows or in two and
     four (``STATE_BACKWARD_KEY_BLOCK``, K not a multiple of the block: a partial last one), qd,
     kd, Wk and dO float32 or bfloat16 (widened where read; bfloat16 at K <= 64 in the form that
-    loads a chunk ahead; ``rounded``: ``STATE_BACKWARD_ROUNDED_PRODUCTS``, the state's gradient
-    and dU rounded to bfloat16 in their products, within 1e-2), against the recurrence in
+    loads a chunk ahead; ``rounded``: ``STATE_BACKWARD_ROUNDED``, the gradients it names rounded
+    to bfloat16 in their products, within 1e-2), against the recurrence in
     float64 on the same values: the gradient of the state leaving each chunk, of U, and of the
     initial state; a partial last chunk, packed sequences (a chunk table) with one of a single
     chunk."""
@@ -889,7 +904,7 @@ def test_state_backward_key_blocks(K, V, key_block, bfloat16, rounded, packed, s
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_KEY_BLOCK", key_block)
     monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)  # the loads-ahead form where it applies
-    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED_PRODUCTS", rounded)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", rounded)
     rng = np.random.default_rng(seed)
     H, scale = 2, 0.3
     if packed:  # sequences of 100 and 30 tokens: chunks (0, 64), (64, 36), (100, 30)

@@ -53,10 +53,13 @@ STATE_BACKWARD_MIN_PROGRAMS = 256
 # two blocks of 64 spill 516 B (8.656).
 STATE_BACKWARD_STAGES = 1  # 2 is the form timed; checked at 64 value columns only so far
 STATE_BACKWARD_MAX_STAGED_K = 64
-# Products on bfloat16 operands where qd, kd, Wk and dO are bfloat16, as flash-linear-attention's
-# reverse pass runs them: qd^T dO as stored (exact), kd dS and Wk^T dU with dS and dU rounded to
-# bfloat16 (P^T dO stays TF32 on P in float32). No operand goes through shared memory transposed.
-STATE_BACKWARD_ROUNDED_PRODUCTS = False
+# Gradients rounded to bfloat16 in the reverse pass's products where qd, kd, Wk and dO are
+# bfloat16, as flash-linear-attention's reverse pass rounds both: "dU" (Wk^T dU on Wk as stored,
+# and qd^T dO then on both as stored, exact: no operand of the state's update goes through shared
+# memory transposed as TF32's must), "dS" (kd dS on kd as stored). P^T dO stays TF32. Under the
+# interpreter (six bf16 draws at the check shapes of bench/triton_h200.py): rounding dU left every
+# error as it was; rounding dS moved db's by -30% to +180% (2.88e-3 -> 8.15e-3 at one draw).
+STATE_BACKWARD_ROUNDED: tuple[str, ...] = ()
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
 # float32 results (float32 saved buffers) and, with split products at 32 value columns, a wrong
@@ -133,7 +136,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, ROUNDED: tl.constexpr,
+    STAGES: tl.constexpr, ROUND_DS: tl.constexpr, ROUND_DU: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -178,12 +181,12 @@ def _state_backward_kernel(
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
         dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = _add_kd_times_dS(kd0, d0, dU, DOT, ROUNDED)
+        dU = _add_kd_times_dS(kd0, d0, dU, DOT, ROUND_DS)
         if BLOCKS > 1:
-            dU = _add_kd_times_dS(kd1, d1, dU, DOT, ROUNDED)
+            dU = _add_kd_times_dS(kd1, d1, dU, DOT, ROUND_DS)
         if BLOCKS > 2:
-            dU = _add_kd_times_dS(kd2, d2, dU, DOT, ROUNDED)
-            dU = _add_kd_times_dS(kd3, d3, dU, DOT, ROUNDED)
+            dU = _add_kd_times_dS(kd2, d2, dU, DOT, ROUND_DS)
+            dU = _add_kd_times_dS(kd3, d3, dU, DOT, ROUND_DS)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -192,15 +195,15 @@ def _state_backward_kernel(
             qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
             qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
         d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, d_stored, scale,
-                                    dU, DOT, ROUNDED)
+                                    dU, DOT, ROUND_DU)
         if BLOCKS > 1:
             d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, d_stored, scale,
-                                    dU, DOT, ROUNDED)
+                                    dU, DOT, ROUND_DU)
         if BLOCKS > 2:
             d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, d_stored, scale,
-                                    dU, DOT, ROUNDED)
+                                    dU, DOT, ROUND_DU)
             d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, d_stored, scale,
-                                    dU, DOT, ROUNDED)
+                                    dU, DOT, ROUND_DU)
     if STORE_INITIAL:
         _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
 
@@ -221,7 +224,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16),
-        ROUNDED=STATE_BACKWARD_ROUNDED_PRODUCTS and qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16,
+        **state_backward_rounding(qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16),
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
@@ -232,6 +235,14 @@ def state_backward_stages(K: int, N: int, bfloat16: bool) -> int:
     H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` (above, it was slower) and
     over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead)."""
     return STATE_BACKWARD_STAGES if bfloat16 and K <= STATE_BACKWARD_MAX_STAGED_K and N > 1 else 1
+
+
+def state_backward_rounding(bfloat16: bool) -> dict:
+    """The reverse pass's ``ROUND_DS`` and ``ROUND_DU`` from ``STATE_BACKWARD_ROUNDED``, for
+    bfloat16 saved buffers and dO (``bfloat16``; otherwise nothing is rounded)."""
+    if not set(STATE_BACKWARD_ROUNDED) <= {"dS", "dU"}:
+        raise ValueError(f"STATE_BACKWARD_ROUNDED: expected names among 'dS' and 'dU', received {STATE_BACKWARD_ROUNDED!r}")
+    return dict(ROUND_DS=bfloat16 and "dS" in STATE_BACKWARD_ROUNDED, ROUND_DU=bfloat16 and "dU" in STATE_BACKWARD_ROUNDED)
 
 
 def state_backward_key_block(K: int) -> int:
