@@ -45,7 +45,7 @@ STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
 # Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
 # ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers. Timed at 2 (H200,
-# 2026-12-05): forward+backward at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (197 registers, no
+# 2026-12-05): forward+backward at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (240 registers, no
 # spills), results bit-identical to the loop without loads ahead at 64 value columns; not yet
 # run at 16 and 32 value columns on a GPU (Triton 3.6 built other forms of this loop wrong at
 # 32), so not the default until it is. At K = 128 it lost: one block of 128 key rows takes 120.5
@@ -58,7 +58,7 @@ STATE_BACKWARD_MAX_STAGED_K = 64
 # and qd^T dO then on both as stored, exact: no operand of the state's update goes through shared
 # memory transposed as TF32's must), "dS" (kd dS on kd as stored). P^T dO stays TF32. Under the
 # interpreter (six bf16 draws at the check shapes of bench/triton_h200.py): rounding dU left every
-# error as it was; rounding dS moved db's by -30% to +180% (2.88e-3 -> 8.15e-3 at one draw).
+# error as it was; rounding dS moved db's by -27% to +183% (2.88e-3 -> 8.15e-3 at one draw).
 STATE_BACKWARD_ROUNDED: tuple[str, ...] = ()
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
