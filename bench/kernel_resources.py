@@ -332,12 +332,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
              HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED,
-             DIAGONAL=fk.diagonal_phase(), DIAGONAL_BK=min(fk.DIAGONAL_KEY_BLOCK, bk),
+             DIAGONAL=fk.diagonal_phase(), DIAGONAL_BK=fk.diagonal_key_block(K),
              DIAGONAL_STAGES=fk.DIAGONAL_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
-    diagonal_trips = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk)), 4]  # its key loop inside the loop over sub-blocks
+    diagonal_trips = [key_blocks_of(fk.diagonal_key_block(K)), 4]  # its key loop inside the loop over sub-blocks
     if fk.DIAGONAL_IN_INTRA_FORWARD == "before":
         LOOP_TRIPS["intra_forward"] = diagonal_trips + LOOP_TRIPS["intra_forward"]
     elif fk.DIAGONAL_IN_INTRA_FORWARD == "after":
@@ -360,10 +360,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     diagonal_pointers = dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, chunk_table="i32")
     out["diagonal"] = (
         fk._diagonal_kernel, diagonal_pointers, {},
-        dict(K=K, BK=min(fk.DIAGONAL_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES),
+        dict(K=K, BK=fk.diagonal_key_block(K), DOT=dot, PACKED=packed, STAGES=fk.DIAGONAL_STAGES),
         fk.DIAGONAL_WARPS,
     )
-    LOOP_TRIPS["diagonal"] = [key_blocks_of(min(fk.DIAGONAL_KEY_BLOCK, bk))]
+    LOOP_TRIPS["diagonal"] = [key_blocks_of(fk.diagonal_key_block(K))]
     PROGRAMS["diagonal"] = 4 * chunks * heads
     state_stages = fk.state_stages(bk, chunks)
     out["state_forward"] = (

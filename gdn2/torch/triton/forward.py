@@ -307,12 +307,19 @@ def _diagonal_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    first = chunk_first + I * 16  # the sub-block's first token
-    sequence = i_b * T * H * K + i_h * K
+    _diagonal_tile(q, k, g, b, P_out, A_out, i_b * T * H * K + i_h * K, i_bh * N + i_n, chunk_first, end, I, H * K, K,
+                   BK, DOT, STAGES)
+
+
+@triton.jit
+def _diagonal_tile(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, I, HK, K: tl.constexpr, BK: tl.constexpr,
+                   DOT: tl.constexpr, STAGES: tl.constexpr):
+    """Diagonal tile I of one chunk's P and A (``key_base``: the sequence and head's offset in the
+    inputs; ``t0``: the chunk's first token)."""
     tile = _tile_entry(I, I, 0, 0)  # the diagonal tile's first entry in its chunk's matrix
-    _diagonal_by_groups(q + sequence, k + sequence, g + sequence, b + sequence,
-                        _chunk_matrix(P_out, i_bh * N + i_n) + tile, _chunk_matrix(A_out, i_bh * N + i_n) + tile,
-                        first, end, H * K, K, BK, DOT, STAGES)
+    _diagonal_by_groups(q + key_base, k + key_base, g + key_base, b + key_base,
+                        _chunk_matrix(P_out, chunk) + tile, _chunk_matrix(A_out, chunk) + tile,
+                        t0 + I * 16, end, HK, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -540,12 +547,9 @@ def _intra_forward_kernel(
 @triton.jit
 def _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K: tl.constexpr, BK: tl.constexpr,
                     DOT: tl.constexpr, STAGES: tl.constexpr):
-    """The four diagonal tiles of one chunk's P and A, sub-block by sub-block (``_diagonal_by_groups``)."""
+    """The four diagonal tiles of one chunk's P and A, sub-block by sub-block."""
     for I in range(4):
-        tile = _tile_entry(I, I, 0, 0)
-        _diagonal_by_groups(q + key_base, k + key_base, g + key_base, b + key_base,
-                            _chunk_matrix(P_out, chunk) + tile, _chunk_matrix(A_out, chunk) + tile,
-                            t0 + I * 16, end, HK, K, BK, DOT, STAGES)
+        _diagonal_tile(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, I, HK, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -800,12 +804,18 @@ def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
     when X is float32), nothing else of either."""
     B, T, H, K = q.shape
     N = P.shape[2]
-    BK = min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
+    BK = diagonal_key_block(K)
     _diagonal_kernel[(N * 4, B * H)](
         q, k, g, b, P, A, _table(chunk_table, P), T, H, K, N, BK=BK, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=DIAGONAL_STAGES, num_warps=DIAGONAL_WARPS,
         num_stages=1, **register_cap("diagonal"),
     )
+
+
+def diagonal_key_block(K: int) -> int:
+    """Key columns per step of the diagonal tiles' key loop (``DIAGONAL_KEY_BLOCK``, at most the
+    padded K)."""
+    return min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
 
 
 def diagonal_phase() -> int:
@@ -847,7 +857,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
         PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=phase,
-        DIAGONAL_BK=min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DIAGONAL_STAGES=DIAGONAL_STAGES,
+        DIAGONAL_BK=diagonal_key_block(K), DIAGONAL_STAGES=DIAGONAL_STAGES,
         num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
