@@ -54,9 +54,11 @@ class Compiled(NamedTuple):
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
-          disassemble: bool = False, maxnreg: int | None = None) -> Compiled:
+          disassemble: bool = False, maxnreg: int | None = None, num_stages: int = 1,
+          sizes: tuple[str, ...] = ("T", "H", "N")) -> Compiled:
     """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas, its
-    registers capped at ``maxnreg`` if given; with ``disassemble``, the cubin's SASS too."""
+    registers capped at ``maxnreg`` if given, the integer arguments ``sizes`` taken as multiples of
+    16; with ``disassemble``, the cubin's SASS too."""
     names = kernel.arg_names
     signature = {}
     for name in names:
@@ -69,10 +71,10 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
     # As the launch specialises them at the benchmark shapes: pointers 16-byte aligned, the integer
     # sizes T, H, N multiples of 16 (without this, loads are not vectorised and the registers come
     # out higher than on the GPU).
-    divisible = [n for n in names if n in pointers or (n in ("T", "H", "N") and signature[n] == "i32")]
+    divisible = [n for n in names if n in pointers or (n in sizes and signature[n] == "i32")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
-    options = dict(num_warps=num_warps, num_stages=1, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     compiled = triton.compile(source, target=TARGET, options=options)
     sass = ""
     with tempfile.TemporaryDirectory() as folder:
@@ -234,6 +236,30 @@ def summary(report: str) -> str:
     return text
 
 
+def fla_state_backward(K: int, V: int, H: int, disassemble: bool = False):
+    """flash-linear-attention's reverse state pass (fla 0.6.0's
+    ``chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64`` as its GDN-2 backward launches it: a
+    per-key gate, bfloat16 q, k, w, dO and dv) at every configuration its autotuner chooses from;
+    yields (label, num_warps, Compiled)."""
+    try:
+        from fla.ops.common import chunk_delta_h
+    except ImportError as error:
+        raise SystemExit(f"--fla needs flash-linear-attention 0.6.0 importable: {error}")
+    kernel = chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # under fla's autotuner and heuristics
+        kernel = kernel.fn
+    pointers = dict(q="bf16", k="bf16", w="bf16", g="fp32", gk="fp32", dht="fp32", dh0="fp32", do="bf16", dh="bf16",
+                    dv="bf16", dv2="bf16", cu_seqlens="i32", chunk_offsets="i32")
+    for BV in (32, 64):
+        for num_warps in (2, 4):
+            for num_stages in (1, 2, 3, 4):
+                constants = dict(H=H, HV=H, K=K, V=V, BT=64, BV=BV, USE_G=False, USE_GK=True, USE_INITIAL_STATE=True,
+                                 USE_FINAL_STATE_GRADIENT=True, STATE_V_FIRST=False, IS_VARLEN=False)
+                compiled = build(kernel, pointers, dict(scale="fp32"), constants, num_warps, disassemble,
+                                 num_stages=num_stages, sizes=())  # T is not specialised (do_not_specialize)
+                yield f"fla BV={BV} stages={num_stages}", num_warps, compiled
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--K", type=int, default=128)
@@ -261,9 +287,18 @@ def main(argv=None) -> None:
              "counts once (printed as 'trips unknown'); both sides of every forward branch run (if/else and "
              "predicated-off instructions are counted as issued). Static counts do not include stalls: compare "
              "variants of one kernel, not kernels.")
+    parser.add_argument("--fla", action="store_true",
+                        help="flash-linear-attention 0.6.0's reverse state pass instead, at each configuration of its "
+                             "autotuner (fla importable), for comparison with ours (--only state_backward)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
+    if args.fla:
+        for label, warps, compiled in fla_state_backward(args.K, args.V, args.H, args.instructions):
+            print(_line(label, warps, compiled), flush=True)
+            if args.instructions:
+                print(instruction_report(compiled.sass, [-(-args.T // 64)], warps), flush=True)
+        return
     previous = set_launch({name: ast.literal_eval(value) for name, value in (v.split("=", 1) for v in args.variant)})
     try:
         inp = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
@@ -274,11 +309,7 @@ def main(argv=None) -> None:
             try:
                 compiled = build(kernel, pointers, scalars, constants, warps, disassemble=args.instructions,
                                  maxnreg=forward.MAX_REGISTERS.get(name))
-                line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
-                registers = re.search(r"Used (\d+) registers", compiled.report)
-                if registers:
-                    line += f", occupancy {occupancy(int(registers.group(1)), warps, compiled.shared):.1%}"
-                print(line, flush=True)
+                print(_line(name, warps, compiled), flush=True)
                 if args.instructions:
                     print(instruction_report(compiled.sass, LOOP_TRIPS.get(name, []), warps, PROGRAMS.get(name)),
                           flush=True)
@@ -286,6 +317,14 @@ def main(argv=None) -> None:
                 print(f"{name:16s} failed: {type(error).__name__}: {str(error)[:400]}", flush=True)
     finally:
         set_launch(previous)
+
+
+def _line(name: str, warps: int, compiled: Compiled) -> str:
+    line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
+    registers = re.search(r"Used (\d+) registers", compiled.report)
+    if registers:
+        line += f", occupancy {occupancy(int(registers.group(1)), warps, compiled.shared):.1%}"
+    return line
 
 
 def set_launch(settings: dict) -> dict:

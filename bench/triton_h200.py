@@ -122,6 +122,20 @@ VARIANTS: list[dict] = [
     # its loads a chunk ahead at K <= 64 (112.2 KiB: two programs a multiprocessor, no spills)
     dict(STATE_BACKWARD_ROUNDED=("dU",)),
     dict(STATE_BACKWARD_ROUNDED=("dU",), STATE_BACKWARD_STAGES=2),
+    # the reverse pass's P^T dO on P rounded to bfloat16 and dO as stored, with dU rounded (under
+    # the interpreter, six draws: every error within 3.5% of the default's; sm_90a: 1,054
+    # instructions a chunk at K = V = 128, 228 B of spills; 659 at K = V = 64 against 853); the
+    # same with its loads a chunk ahead at K <= 64 (104.2 KiB, two programs a multiprocessor);
+    # with kd dS on dS as two bfloat16 parts too (no TF32 product left; the same errors; 1,134 and
+    # 708 instructions); with dS rounded instead (the form of flash-linear-attention's pass: 814
+    # and 569 instructions against its 748 and 454; db's error up to 2.8x, dv's and dw's 1.1-1.3x);
+    # capped at 128 registers (231 at K = 64: two programs a multiprocessor, the third shape's 512
+    # programs in two waves; at 128, four and one wave, with 472 B of spills; 1,124 B at K = 128)
+    dict(STATE_BACKWARD_ROUNDED=("dU", "P")),
+    dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_STAGES=2),
+    dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_SPLIT_DS=True),
+    dict(STATE_BACKWARD_ROUNDED=("dS", "dU", "P")),
+    dict(STATE_BACKWARD_ROUNDED=("dU", "P"), MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
 ]
 
 
@@ -136,6 +150,20 @@ def fla_function():
         return fla_chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state)
 
     return fla
+
+
+def fla_state_pass_configs() -> dict:
+    """The configurations flash-linear-attention's autotuner chose in this process for its two
+    sequential state passes (what ``bench/kernel_resources.py --fla`` compiles), as text."""
+    from fla.ops.common import chunk_delta_h
+
+    chosen = {}
+    for name in ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"):
+        kernel = getattr(chunk_delta_h, name)
+        while kernel is not None and getattr(kernel, "best_config", None) is None:
+            kernel = getattr(kernel, "fn", None)  # under fla's heuristics and autotuner wrappers
+        chosen[name] = str(kernel.best_config) if kernel is not None else None
+    return chosen
 
 
 def check(function, shape, dtype, seed, device="cuda"):
@@ -377,6 +405,9 @@ def main():
             except Exception as error:
                 row[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"time {name:5s} {shape}: {row[name]} ({time.time() - start:.0f} s)", flush=True)
+            if name == "fla":
+                row["fla_state_pass_configs"] = fla_state_pass_configs()
+                print("fla's state passes chose", row["fla_state_pass_configs"], flush=True)
             torch.cuda.empty_cache()
         if "fla" in row and "fwd_ms" in row.get("fla", {}) and "fwd_ms" in row["gdn2"]:
             row["ratio"] = {key: row["gdn2"][key] / row["fla"][key] for key in ("fwd_ms", "fwd_bwd_ms", "peak_gib")}

@@ -149,3 +149,38 @@ def test_every_h200_variant_names_launch_constants(monkeypatch):
     assert all(vars(forward)[name] is value for name, value in defaults.items() if name.isupper())
     with pytest.raises(ValueError, match="NO_SUCH_CONSTANT"):
         tool.set_launch({"NO_SUCH_CONSTANT": 1})
+
+
+def test_fla_option_needs_fla():
+    """``--fla`` (flash-linear-attention's reverse state pass, for comparison) says what it needs
+    when fla is not importable."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("flash-linear-attention is installed here: --fla would compile its kernel instead")
+    run = subprocess.run([sys.executable, str(TOOL), "--fla"], cwd=ROOT, env=_compiled_mode_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "--fla needs flash-linear-attention 0.6.0 importable" in run.stderr, run.stderr
+
+
+def test_fla_state_pass_configs_read_the_autotuners_choice(monkeypatch):
+    """``bench/triton_h200.py`` reports the configuration fla's autotuner chose for each state
+    pass: found under its wrappers (``fn``), None before it ran."""
+    import types
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = load_bench("triton_h200", "triton_h200_under_test")
+    tuned = types.SimpleNamespace(best_config="BV: 32, num_warps: 4", fn=None)
+    untuned = types.SimpleNamespace(best_config=None, fn=types.SimpleNamespace(fn=None))
+    module = types.ModuleType("fla.ops.common.chunk_delta_h")
+    module.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = untuned
+    module.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 = types.SimpleNamespace(fn=tuned)  # a heuristics wrapper
+    names = ("fla", "fla.ops", "fla.ops.common")
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules["fla.ops.common"], "chunk_delta_h", module, raising=False)
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_delta_h", module)
+    assert bench.fla_state_pass_configs() == {"chunk_gated_delta_rule_fwd_kernel_h_blockdim64": None,
+                                              "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": "BV: 32, num_warps: 4"}

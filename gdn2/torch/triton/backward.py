@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
-                      _sequence_chunks, _table, register_cap, value_block)
+                      _load_chunk_matrix_stored, _sequence_chunks, _split_dot, _table, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -53,13 +53,18 @@ STATE_BACKWARD_MIN_PROGRAMS = 256
 # two blocks of 64 spill 516 B (8.656).
 STATE_BACKWARD_STAGES = 1  # 2 is the form timed; checked at 64 value columns only so far
 STATE_BACKWARD_MAX_STAGED_K = 64
-# Gradients rounded to bfloat16 in the reverse pass's products where qd, kd, Wk and dO are
-# bfloat16, as flash-linear-attention's reverse pass rounds both: "dU" (Wk^T dU on Wk as stored,
-# and qd^T dO then on both as stored, exact: no operand of the state's update goes through shared
-# memory transposed as TF32's must), "dS" (kd dS on kd as stored). P^T dO stays TF32. Under the
-# interpreter (six bf16 draws at the check shapes of bench/triton_h200.py): rounding dU left every
-# error as it was; rounding dS moved db's by -27% to +183% (2.88e-3 -> 8.15e-3 at one draw).
+# Operands rounded to bfloat16 in the reverse pass's products where qd, kd, Wk and dO are bfloat16,
+# as flash-linear-attention's reverse pass rounds them: "dU" (Wk^T dU on Wk as stored, and qd^T dO
+# then on both as stored, exact: no operand of the state's update goes through shared memory
+# transposed as TF32's must), "dS" (kd dS on kd as stored), "P" (P^T dO on dO as stored: with all
+# three, no TF32 product is left in the pass; sm_90a at K = V = 128, 814 instructions a chunk
+# against 1,224, at K = V = 64 569 against 853). Under the interpreter (six bf16 draws at the check
+# shapes of bench/triton_h200.py): rounding dU left every error as it was; rounding dS moved db's
+# by -27% to +183% (2.88e-3 -> 8.15e-3 at one draw).
 STATE_BACKWARD_ROUNDED: tuple[str, ...] = ()
+# kd dS on kd as stored and dS as the sum of two bfloat16 parts (exact products, dS within 2^-16),
+# where qd, kd, Wk and dO are bfloat16: the bfloat16 operands of "dS" without its rounding.
+STATE_BACKWARD_SPLIT_DS = False
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
 # float32 results (float32 saved buffers) and, with split products at 32 value columns, a wrong
@@ -108,11 +113,14 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr, ROUNDED: tl.constexpr):
+def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr, ROUNDED: tl.constexpr, SPLIT: tl.constexpr):
     """``dU + kd dS`` for one block of key columns of kd (as stored) and rows of dS: widened to
-    float32, or with ``ROUNDED`` on kd as stored and dS rounded to bfloat16."""
+    float32, or on kd as stored with dS rounded to bfloat16 (``ROUNDED``) or as the sum of two
+    bfloat16 parts (``SPLIT``: two exact products)."""
     if ROUNDED:
         return tl.dot(kd_tile, d_state.to(tl.bfloat16), dU)
+    if SPLIT:
+        return _split_dot(kd_tile, d_state, dU)
     return tl.dot(kd_tile.to(tl.float32), d_state, dU, input_precision=DOT)
 
 
@@ -136,7 +144,8 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, ROUND_DS: tl.constexpr, ROUND_DU: tl.constexpr,
+    STAGES: tl.constexpr, ROUND_DS: tl.constexpr, SPLIT_DS: tl.constexpr, ROUND_DU: tl.constexpr,
+    ROUND_P: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -173,20 +182,26 @@ def _state_backward_kernel(
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
         d_stored = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
         d_out = d_stored.to(tl.float32) * scale
-        P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
+        if ROUND_P:
+            P_tile = _load_chunk_matrix_stored(_chunk_matrix(P, chunk)).to(tl.bfloat16)
+        else:
+            P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
             kd1 = _key_columns(kd, row0, 1, KB, K)
         if BLOCKS > 2:
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
-        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = _add_kd_times_dS(kd0, d0, dU, DOT, ROUND_DS)
+        if ROUND_P:
+            dU = tl.dot(tl.trans(P_tile), d_stored) * scale
+        else:
+            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+        dU = _add_kd_times_dS(kd0, d0, dU, DOT, ROUND_DS, SPLIT_DS)
         if BLOCKS > 1:
-            dU = _add_kd_times_dS(kd1, d1, dU, DOT, ROUND_DS)
+            dU = _add_kd_times_dS(kd1, d1, dU, DOT, ROUND_DS, SPLIT_DS)
         if BLOCKS > 2:
-            dU = _add_kd_times_dS(kd2, d2, dU, DOT, ROUND_DS)
-            dU = _add_kd_times_dS(kd3, d3, dU, DOT, ROUND_DS)
+            dU = _add_kd_times_dS(kd2, d2, dU, DOT, ROUND_DS, SPLIT_DS)
+            dU = _add_kd_times_dS(kd3, d3, dU, DOT, ROUND_DS, SPLIT_DS)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -238,11 +253,16 @@ def state_backward_stages(K: int, N: int, bfloat16: bool) -> int:
 
 
 def state_backward_rounding(bfloat16: bool) -> dict:
-    """The reverse pass's ``ROUND_DS`` and ``ROUND_DU`` from ``STATE_BACKWARD_ROUNDED``, for
-    bfloat16 saved buffers and dO (``bfloat16``; otherwise nothing is rounded)."""
-    if not set(STATE_BACKWARD_ROUNDED) <= {"dS", "dU"}:
-        raise ValueError(f"STATE_BACKWARD_ROUNDED: expected names among 'dS' and 'dU', received {STATE_BACKWARD_ROUNDED!r}")
-    return dict(ROUND_DS=bfloat16 and "dS" in STATE_BACKWARD_ROUNDED, ROUND_DU=bfloat16 and "dU" in STATE_BACKWARD_ROUNDED)
+    """The reverse pass's ``ROUND_DS``, ``SPLIT_DS``, ``ROUND_DU`` and ``ROUND_P`` from
+    ``STATE_BACKWARD_ROUNDED`` and ``STATE_BACKWARD_SPLIT_DS``, for bfloat16 saved buffers and dO
+    (``bfloat16``; otherwise every product widens its operands to float32)."""
+    if not set(STATE_BACKWARD_ROUNDED) <= {"dS", "dU", "P"}:
+        raise ValueError(f"STATE_BACKWARD_ROUNDED: expected names among 'dS', 'dU' and 'P', received {STATE_BACKWARD_ROUNDED!r}")
+    if STATE_BACKWARD_SPLIT_DS and "dS" in STATE_BACKWARD_ROUNDED:
+        raise ValueError("STATE_BACKWARD_SPLIT_DS: expected False with 'dS' in STATE_BACKWARD_ROUNDED (dS is either "
+                         "rounded or split), received True")
+    return dict(ROUND_DS=bfloat16 and "dS" in STATE_BACKWARD_ROUNDED, SPLIT_DS=bfloat16 and STATE_BACKWARD_SPLIT_DS,
+                ROUND_DU=bfloat16 and "dU" in STATE_BACKWARD_ROUNDED, ROUND_P=bfloat16 and "P" in STATE_BACKWARD_ROUNDED)
 
 
 def state_backward_key_block(K: int) -> int:
