@@ -1,6 +1,7 @@
 """The corrections gdn2 applies to Triton's CPU interpreter: ``tl.dot`` of bfloat16 tiles by value,
-float32 to bfloat16 rounded to nearest even (both as on the GPU), and scans with a combination of
-their own run by slices (the element-by-element results, faster)."""
+float32 to bfloat16 rounded to nearest even, elementwise operations, sums and scans of bfloat16
+values by value (all as on the GPU), and scans with a combination of their own run by slices (the
+element-by-element results, faster)."""
 
 import numpy as np
 import pytest
@@ -104,3 +105,42 @@ def test_scan_by_slices_matches_element_by_element(axis, reverse, monkeypatch):
     for before, after in zip(results[0], results[1]):
         np.testing.assert_array_equal(before, after)
     assert np.isfinite(results[1][0]).sum() > 0
+
+
+@triton.jit
+def _elementwise_kernel(x, y, z, out, compared, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    a = tl.load(x + i)
+    b = tl.load(y + i)
+    c = tl.load(z + i)
+    tl.store(out + i, a * b)
+    tl.store(out + BLOCK + i, a + b)
+    tl.store(out + 2 * BLOCK + i, a - b)
+    tl.store(out + 3 * BLOCK + i, a / b)
+    tl.store(out + 4 * BLOCK + i, -a)
+    tl.store(out + 5 * BLOCK + i, tl.maximum(a, b))
+    tl.store(out + 6 * BLOCK + i, tl.fma(a, b, c))
+    tl.store(out + 7 * BLOCK + i, tl.cumsum(a, 0))
+    tl.store(out + 8 * BLOCK + i, tl.sum(a, 0) + tl.zeros_like(a))
+    tl.store(compared + i, (a < b).to(tl.int32))
+    tl.store(compared + BLOCK + i, (a == b).to(tl.int32))
+
+
+def test_bfloat16_elementwise_sums_and_scans_by_value():
+    """Arithmetic, comparisons, sums and cumulative sums on bfloat16 values give what torch gives
+    on the values, rounded to bfloat16 (each operation once; a sum and a scan once in all: the
+    inputs are small integers and halves here, whose sums are exact); uncorrected, the interpreter
+    works on the bit patterns (1.5 * 2 = 0, -1 < -2)."""
+    correct_bfloat16()
+    generator = torch.Generator().manual_seed(7)
+    x, y, z = ((torch.randint(-8, 9, (16,), generator=generator) / 2).to(torch.bfloat16) for _ in range(3))
+    y[y == 0] = 0.5  # a divisor
+    y[3] = x[3]  # one equal pair
+    out = torch.empty(9 * 16, dtype=torch.bfloat16)
+    compared = torch.empty(2 * 16, dtype=torch.int32)
+    _elementwise_kernel[(1,)](x, y, z, out, compared, BLOCK=16)
+    a, b, c = (t.double() for t in (x, y, z))
+    expected = [a * b, a + b, a - b, a / b, -a, torch.maximum(a, b), a * b + c, a.cumsum(0), a.sum().expand(16)]
+    for index, want in enumerate(expected):
+        assert torch.equal(out[16 * index:16 * (index + 1)], want.to(torch.bfloat16)), index
+    assert torch.equal(compared[:16], (a < b).int()) and torch.equal(compared[16:], (a == b).int())
