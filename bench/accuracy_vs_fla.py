@@ -1,0 +1,181 @@
+"""gdn2's Triton kernels and flash-linear-attention's ``chunk_gdn2`` against the float64 spec on the
+same draws, on the CPU: both under Triton's interpreter.
+
+    python bench/accuracy_vs_fla.py --seeds 12 13 14 --json accuracy_vs_fla.json
+
+needs ``fla`` importable (``fla-core`` and ``flash-linear-attention`` 0.6.0) and about a minute a
+draw and form on one core (``--jobs 2`` runs two draws at a time). Each draw is
+``bench/triton_h200.py``'s ``check``: ``gdn2.testing.make_case`` at one of its ``CHECK_SHAPES``
+(``--shapes``; the first two by default, the shapes at which its GPU run compares both), bf16
+inputs, forward and backward with a gradient into the final state, and the relative error
+``||x - spec|| / ||spec||`` of o, the final state and every gradient against the spec on the
+original float64 inputs. Forms: gdn2's kernels as they are, each ``--variant`` (launch settings,
+as ``bench/kernel_resources.py --variant`` takes them, ``;`` between the settings of one form),
+and fla's. gdn2's in-chunk launches take wider blocks of columns than on the GPU unless
+``--gpu-blocks`` (``bench/saved_precision.py``'s ``FAST_BLOCKS``: the same arithmetic per column).
+
+Under the interpreter every product is exact float32 in both (on the GPU each uses TF32 and
+bfloat16 products where it chooses), and fla's autotuner takes its first configuration (there is
+nothing to time). gdn2's interpreter corrections (``gdn2/torch/triton/interpreter.py``: bfloat16
+products, conversions and elementwise operations by value, as on the GPU) hold for fla's kernels
+too; one more shim is fla's own: its kernels cast their ``range`` indices (``i_t.to(tl.int64)``),
+which the interpreter runs as Python ints, so fla's modules get a ``range`` of ints that can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+GRADIENTS = ("dq", "dk", "dv", "dg", "db", "dw", "dinitial_state")
+
+
+class LoopIndex(int):
+    """A kernel's ``range`` index under the interpreter that casts as a GPU loop index does."""
+
+    def to(self, dtype, **kwargs):
+        import triton.language as tl
+
+        return tl.full([], int(self), dtype)
+
+
+def _range(*args):
+    return map(LoopIndex, builtins.range(*args))
+
+
+def fla_under_interpreter():
+    """fla's ``chunk_gdn2`` ready to run under the interpreter: every loaded fla module's ``range``
+    gives ``LoopIndex``es (ints elsewhere), its autotuners run their first configuration."""
+    import triton.runtime.autotuner as autotuner
+    from fla.ops.gdn2 import chunk_gdn2
+
+    autotuner.Autotuner._bench = lambda self, *args, config=None, **kwargs: [1.0, 1.0, 1.0]  # all equal: the first
+    for name, module in list(sys.modules.items()):
+        if name == "fla" or name.startswith("fla."):
+            module.range = _range
+
+    def fla(q, k, v, g, b, w, initial_state=None, output_final_state=False):
+        return chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state, output_final_state=output_final_state)
+
+    return fla
+
+
+def parse_form(text: str) -> dict:
+    """``NAME=VALUE;NAME=VALUE`` (VALUE a Python literal) as launch settings."""
+    settings = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"--variant: expected NAME=VALUE, received {item!r}")
+        settings[name.strip()] = ast.literal_eval(value.strip())
+    return settings
+
+
+def _task(shape_index: int, seed: int, forms: list[str], gpu_blocks: bool) -> list[dict]:
+    """Every form on one draw (a fresh worker process)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+    import torch
+
+    import triton_h200  # bench/, next to this script
+    from kernel_resources import set_launch
+    from saved_precision import FAST_BLOCKS
+
+    torch.set_num_threads(1)
+    if not gpu_blocks:
+        set_launch(FAST_BLOCKS)
+    shape = triton_h200.CHECK_SHAPES[shape_index]
+    rows = []
+    for form in forms:
+        start = time.time()
+        if form == "fla":
+            errors = triton_h200.check(fla_under_interpreter(), shape, torch.bfloat16, seed, device="cpu")
+        else:
+            previous = set_launch(parse_form(form))
+            try:
+                with triton_h200.no_fallback():
+                    errors = triton_h200.check(triton_h200.gdn2_kernel, shape, torch.bfloat16, seed, device="cpu")
+            finally:
+                set_launch(previous)
+        row = dict(shape=shape_index, seed=seed, form=form, errors=errors, seconds=round(time.time() - start, 1))
+        worst = max(GRADIENTS, key=errors.get)
+        print(f"shape {shape_index} seed {seed} {form or 'gdn2'}: o {errors['o']:.2e}, worst gradient "
+              f"{errors[worst]:.2e} ({worst}), {row['seconds']:.0f} s", flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], forms: list[str]) -> str:
+    """Markdown: per draw, each form's worst error (o, the final state and the gradients) with
+    its quantity; then per form the median and worst over draws and the draws it beats fla at."""
+    draws = sorted({(r["shape"], r["seed"]) for r in rows})
+    cell = {(r["shape"], r["seed"], r["form"]): r["errors"] for r in rows}
+    label = lambda form: "gdn2" if form == "" else form  # noqa: E731
+    lines = ["| shape, seed | " + " | ".join(label(f) for f in forms) + " |", "|---" * (len(forms) + 1) + "|"]
+    for shape, seed in draws:
+        cells = []
+        for form in forms:
+            errors = cell.get((shape, seed, form))
+            worst = max(errors, key=errors.get) if errors else None
+            cells.append(f"{errors[worst]:.2e} ({worst})" if errors else "-")
+        lines.append(f"| {shape}, {seed} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for form in forms:
+        worst = [max(cell[(s, d, form)].values()) for s, d in draws if (s, d, form) in cell]
+        o = [cell[(s, d, form)]["o"] for s, d in draws if (s, d, form) in cell]
+        if not worst:
+            continue
+        text = (f"- {label(form)}: worst error median {statistics.median(worst):.2e}, largest {max(worst):.2e}; "
+                f"o median {statistics.median(o):.2e}")
+        if form != "fla" and "fla" in forms:
+            pairs = [(max(cell[(s, d, form)].values()), max(cell[(s, d, 'fla')].values()))
+                     for s, d in draws if (s, d, form) in cell and (s, d, "fla") in cell]
+            text += f"; at or below fla's worst at {sum(a <= b for a, b in pairs)} of {len(pairs)} draws"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[12, 13, 14])
+    parser.add_argument("--shapes", type=int, nargs="+", default=[0, 1], help="indices into CHECK_SHAPES")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[;NAME=VALUE]",
+                        help="a form of gdn2's kernels: launch settings (repeat for more forms)")
+    parser.add_argument("--no-fla", action="store_true", help="gdn2's forms only")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (one draw each at a time)")
+    parser.add_argument("--gpu-blocks", action="store_true",
+                        help="gdn2's launch settings as on the GPU (slower; by default the in-chunk launches take "
+                             "wider blocks of columns under the interpreter, bench/saved_precision.py's FAST_BLOCKS: "
+                             "the same arithmetic per column)")
+    parser.add_argument("--json", help="write every row here as it arrives")
+    args = parser.parse_args(argv)
+    for form in args.variant:
+        parse_form(form)  # a malformed form fails here, before any work
+    forms = [""] + args.variant + ([] if args.no_fla else ["fla"])
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (the workers inherit it)
+    if not args.no_fla:
+        try:
+            import fla  # noqa: F401
+        except ImportError as error:
+            raise SystemExit(f"fla is not importable ({error}): install fla-core and flash-linear-attention "
+                             "0.6.0, or pass --no-fla")
+    rows = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(_task, shape, seed, forms, args.gpu_blocks) for seed in args.seeds
+                   for shape in args.shapes]
+        for future in futures:
+            rows.extend(future.result())
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(forms=forms, rows=rows), f, indent=1)
+    print(table(rows, forms))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
