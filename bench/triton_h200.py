@@ -128,7 +128,9 @@ VARIANTS: list[dict] = [
     # same with its loads a chunk ahead at K <= 64 (104.2 KiB, two programs a multiprocessor);
     # with kd dS on dS as two bfloat16 parts too (no TF32 product left; the same errors; 1,134 and
     # 708 instructions); with dS rounded instead (the form of flash-linear-attention's pass: 814
-    # and 569 instructions against its 748 and 454; db's error up to 2.8x, dv's and dw's 1.1-1.3x);
+    # and 569 instructions against its 748 and 454; db's error up to 2.8x, dv's and dw's 1.1-1.3x,
+    # the worst of 18 draws 1.36e-2 against the default's 8.16e-3 and fla's 8.75e-3: a speed
+    # reference, not a candidate, bench/RESULTS.md);
     # capped at 128 registers (231 at K = 64: two programs a multiprocessor, the third shape's 512
     # programs in two waves; at 128, four and one wave, with 472 B of spills; 1,124 B at K = 128)
     dict(STATE_BACKWARD_ROUNDED=("dU", "P")),
