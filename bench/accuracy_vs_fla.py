@@ -7,7 +7,8 @@ needs ``fla`` importable (``fla-core`` and ``flash-linear-attention`` 0.6.0) and
 draw and form on one core (``--jobs 2`` runs two draws at a time). Each draw is
 ``bench/triton_h200.py``'s ``check``: ``gdn2.testing.make_case`` at one of its ``CHECK_SHAPES``
 (``--shapes``; the first two by default, the shapes at which its GPU run compares both), bf16
-inputs, forward and backward with a gradient into the final state, and the relative error
+inputs (``--dtype``), optionally a hard reset (``--reset -inf``: g at one step, every channel),
+forward and backward with a gradient into the final state, and the relative error
 ``||x - spec|| / ||spec||`` of o, the final state and every gradient against the spec on the
 original float64 inputs. Forms: gdn2's kernels as they are, each ``--variant`` (launch settings,
 as ``bench/kernel_resources.py --variant`` takes them, ``;`` between the settings of one form),
@@ -78,31 +79,47 @@ def parse_form(text: str) -> dict:
     return settings
 
 
-def _task(shape_index: int, seed: int, forms: list[str], gpu_blocks: bool) -> list[dict]:
+def draw(shape: tuple, seed: int, reset: tuple[float, int] | None = None) -> dict:
+    """``bench/triton_h200.py``'s check case at ``shape`` and ``seed`` (the same inputs), with
+    ``reset`` = (value, step): g set to value at that step (every batch row, head and channel);
+    the spec's results on it."""
+    from gdn2.testing import make_case, with_expected
+
+    B, T, H, K, V, decay = shape
+    case = make_case(B, T, H, K, V, seed, log_decay_range=decay, reference=False)
+    if reset is not None:
+        case["inputs"]["g"][:, reset[1]] = reset[0]
+    return with_expected(case)
+
+
+def _task(shape_index: int, seed: int, forms: list[str], gpu_blocks: bool, dtype: str,
+          reset: tuple[float, int] | None) -> list[dict]:
     """Every form on one draw (a fresh worker process)."""
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     import torch
 
     import triton_h200  # bench/, next to this script
+    from gdn2.testing import torch_gradients, worst_error
     from kernel_resources import set_launch
     from saved_precision import FAST_BLOCKS
 
     torch.set_num_threads(1)
     if not gpu_blocks:
         set_launch(FAST_BLOCKS)
-    shape = triton_h200.CHECK_SHAPES[shape_index]
+    case = draw(triton_h200.CHECK_SHAPES[shape_index], seed, reset)
     rows = []
     for form in forms:
         start = time.time()
         if form == "fla":
-            errors = triton_h200.check(fla_under_interpreter(), shape, torch.bfloat16, seed, device="cpu")
+            errors = worst_error(torch_gradients(case, dtype, fla_under_interpreter(), "cpu"), case["expected"])[2]
         else:
             previous = set_launch(parse_form(form))
             try:
                 with triton_h200.no_fallback():
-                    errors = triton_h200.check(triton_h200.gdn2_kernel, shape, torch.bfloat16, seed, device="cpu")
+                    result = torch_gradients(case, dtype, triton_h200.gdn2_kernel, "cpu")
             finally:
                 set_launch(previous)
+            errors = worst_error(result, case["expected"])[2]
         row = dict(shape=shape_index, seed=seed, form=form, errors=errors, seconds=round(time.time() - start, 1))
         worst = max(GRADIENTS, key=errors.get)
         print(f"shape {shape_index} seed {seed} {form or 'gdn2'}: o {errors['o']:.2e}, worst gradient "
@@ -148,6 +165,10 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[;NAME=VALUE]",
                         help="a form of gdn2's kernels: launch settings (repeat for more forms)")
     parser.add_argument("--no-fla", action="store_true", help="gdn2's forms only")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the inputs' dtype")
+    parser.add_argument("--reset", type=float, metavar="VALUE",
+                        help="a hard reset: g = VALUE (e.g. -inf, -1e4) at one step of every draw")
+    parser.add_argument("--reset-step", type=int, metavar="STEP", help="its step (default: the middle of T)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one draw each at a time)")
     parser.add_argument("--gpu-blocks", action="store_true",
                         help="gdn2's launch settings as on the GPU (slower; by default the in-chunk launches take "
@@ -157,8 +178,21 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for form in args.variant:
         parse_form(form)  # a malformed form fails here, before any work
-    forms = [""] + args.variant + ([] if args.no_fla else ["fla"])
+    if args.reset_step is not None and args.reset is None:
+        raise ValueError(f"--reset-step: expected with --reset, received {args.reset_step} without it")
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (the workers inherit it)
+    import triton_h200  # bench/, next to this script
+
+    resets = {}
+    for index in args.shapes:
+        if not 0 <= index < len(triton_h200.CHECK_SHAPES):
+            raise ValueError(f"--shapes: expected indices 0 to {len(triton_h200.CHECK_SHAPES) - 1}, received {index}")
+        T = triton_h200.CHECK_SHAPES[index][1]
+        step = T // 2 if args.reset_step is None else args.reset_step
+        if args.reset is not None and not 0 <= step < T:
+            raise ValueError(f"--reset-step: expected 0 <= step < T = {T} at shape {index}, received {step}")
+        resets[index] = None if args.reset is None else (args.reset, step)
+    forms = [""] + args.variant + ([] if args.no_fla else ["fla"])
     if not args.no_fla:
         try:
             import fla  # noqa: F401
@@ -167,13 +201,15 @@ def main(argv=None) -> None:
                              "0.6.0, or pass --no-fla")
     rows = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(_task, shape, seed, forms, args.gpu_blocks) for seed in args.seeds
-                   for shape in args.shapes]
+        futures = [pool.submit(_task, shape, seed, forms, args.gpu_blocks, args.dtype, resets[shape])
+                   for seed in args.seeds for shape in args.shapes]
         for future in futures:
             rows.extend(future.result())
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump(dict(forms=forms, rows=rows), f, indent=1)
+                    json.dump(dict(forms=forms, dtype=args.dtype, resets=resets, rows=rows), f, indent=1)
+    print(f"{args.dtype} inputs" + ("" if args.reset is None else
+                                    f", g = {args.reset:g} at step {', '.join(f'{resets[i][1]} (shape {i})' for i in args.shapes)}"))
     print(table(rows, forms))
 
 

@@ -67,3 +67,32 @@ def test_without_fla_says_what_it_needs():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy_vs_fla.py"), "--seeds", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "fla is not importable" in run.stderr and "--no-fla" in run.stderr, run.stderr
+
+
+def test_draw_is_the_check_case_with_its_reset():
+    """``draw`` gives ``bench/triton_h200.py``'s check inputs, with g set at the reset step only;
+    the spec stays finite through a reset of -inf."""
+    import numpy as np
+
+    from gdn2.testing import make_case
+
+    shape = (1, 20, 2, 8, 6, (-3.0, 0.0))
+    plain = make_case(*shape[:5], 4, log_decay_range=shape[5], reference=False)["inputs"]
+    case = tool.draw(shape, 4, (-np.inf, 7))
+    g = case["inputs"]["g"]
+    assert np.all(g[:, 7] == -np.inf)
+    np.testing.assert_array_equal(np.delete(g, 7, axis=1), np.delete(plain["g"], 7, axis=1))
+    np.testing.assert_array_equal(case["inputs"]["q"], plain["q"])
+    assert all(np.all(np.isfinite(x)) for x in case["expected"].values())
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--reset-step", "3"], "--reset-step: expected with --reset, received 3 without it"),
+    (["--reset=-inf", "--reset-step", "200", "--shapes", "1"], r"--reset-step: expected 0 <= step < T = 200 at shape 1, received 200"),
+    (["--shapes", "9"], "--shapes: expected indices 0 to 6, received 9"),
+    (["--variant", "STATE_BACKWARD_STAGES"], "--variant: expected NAME=VALUE"),
+])
+def test_arguments_refused_by_name(arguments, message, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # where the script finds bench/triton_h200.py
+    with pytest.raises(ValueError, match=message):
+        tool.main(["--no-fla", *arguments])
