@@ -13,8 +13,9 @@ exp(G), gamma or first-bad store: what only feeds them goes too, the bad-row tra
 ``no_scans`` (the span sums down each sub-block replaced by elementwise stand-ins), both, and
 ``no_P_dots`` (P's off-diagonal products left out), ``no_bad_rows`` (no tracking of the first
 bad key-side row; its store kept), ``no_screening`` (no screening of k, b and g for non-finite
-values at all: neither that tracking nor the selects that read a bad value as 0) and
-``no_bkd_store`` (b k exp(G) not stored). Each edit
+values at all: neither that tracking nor the selects that read a bad value as 0),
+``no_bkd_store`` (b k exp(G) not stored) and ``tl_exp`` (every exponential by ``tl.exp``, as
+before ``_exp``: results right, the flushing of values below 2^-126 to 0 aside). Each edit
 asserts that it found its target, so that a changed kernel fails here instead of timing the
 baseline under another name.
 """
@@ -105,12 +106,23 @@ def without_P_products(source: str) -> str:
                  lambda body: _blank(body, r"P\d\d \+= tl\.dot\(", 6, "P's six off-diagonal products"))
 
 
+def with_tl_exp(source: str) -> str:
+    """Every exponential as ``tl.exp`` (``_exp``'s form before: the same values but for those
+    below 2^-126, three more instructions each on sm_90a)."""
+    def edit(body):
+        line = "    return tl.math.exp2(x * 1.4426950408889634)\n"
+        assert body.count(line) == 1, "_exp's body"
+        return body.replace(line, "    return tl.exp(x)\n")
+
+    return _edit(source, "_exp", edit)
+
+
 def forms(source: str) -> dict[str, str]:
     """Each form's source."""
     return {"baseline": source, "no_stores": without_stores(source), "no_scans": without_scans(source),
             "no_stores_no_scans": without_scans(without_stores(source)), "no_P_dots": without_P_products(source),
             "no_bad_rows": without_bad_rows(source), "no_screening": without_screening(source),
-            "no_bkd_store": without_bkd_store(source)}
+            "no_bkd_store": without_bkd_store(source), "tl_exp": with_tl_exp(source)}
 
 
 def _load(name: str, text: str, folder: str):

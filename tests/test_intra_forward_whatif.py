@@ -38,6 +38,7 @@ def test_every_form_edits_the_kernel(whatif):
     assert "key_bad = tl.minimum(" not in screened and "_finite(" not in screened and "_decay(" not in screened
     assert "tl.store(key_first_bad_out" in body(forms["no_bad_rows"], "_off_diagonal_tiles")
     assert "P10 += tl.dot(" not in forms["no_P_dots"] and "A10 += tl.dot(" in forms["no_P_dots"]
+    assert "return tl.exp(x)" in body(forms["tl_exp"], "_exp") and "tl.math.exp2" not in body(forms["tl_exp"], "_exp")
 
 
 def test_an_edit_that_misses_fails(whatif):
@@ -49,6 +50,8 @@ def test_an_edit_that_misses_fails(whatif):
         whatif.without_bad_rows("def _sub_block():\n    return 0\n@triton.jit\n")
     with pytest.raises((AssertionError, ValueError)):
         whatif.without_screening("def _sub_block():\n    return 0\n@triton.jit\n")
+    with pytest.raises((AssertionError, ValueError)):
+        whatif.with_tl_exp("def _exp(x):\n    return x\n@triton.jit\n")
 
 
 def test_every_form_launches_under_the_interpreter(whatif, monkeypatch):

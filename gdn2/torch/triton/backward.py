@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _load_chunk_matrix,
+from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
                       _load_chunk_matrix_stored, _sequence_chunks, _split_dot, _table, register_cap, value_block)
 
 
@@ -445,7 +445,7 @@ def _row_step_inputs(q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_
 def _row_step(E, d_k_pair, r, i, g_i, q_i, b_i, k_i, d_A_row, d_P_row):
     """The keys' side of row ``i``: ``E[j] = exp(g_{j+1} + ... + g_i)`` for ``j < i`` (the previous
     row's times ``exp(g_i)``; 1 at ``j = i``, 0 after), and row i's pairs added to ``d_k_pair``."""
-    step_decay = tl.exp(g_i.to(tl.float32))
+    step_decay = _exp(g_i.to(tl.float32))
     bk_i = b_i.to(tl.float32) * k_i.to(tl.float32)
     E = tl.where(r[:, None] < i, E * step_decay[None, :], tl.where(r[:, None] == i, 1.0, 0.0))
     d_k_pair += E * (d_A_row[:, None] * bk_i[None, :] + d_P_row[:, None] * q_i.to(tl.float32)[None, :])
@@ -474,7 +474,7 @@ def _column_step(F, d_bk_A, d_q_P, r, j, g_next, k_j, d_A_column, d_P_column):
     """The rows' side of column ``j``: ``F[i] = exp(g_{j+1} + ... + g_i)`` for ``i > j`` (the next
     column's times ``exp(g_{j+1})``, 0 at and before ``j``), and column j's pairs added to
     ``d_bk_A`` and ``d_q_P``."""
-    next_decay = tl.exp(g_next.to(tl.float32))
+    next_decay = _exp(g_next.to(tl.float32))
     F = tl.where(r[:, None] > j, tl.where(r[:, None] == j + 1, 1.0, F) * next_decay[None, :], 0.0)
     k_F = F * k_j.to(tl.float32)[None, :]
     d_bk_A += d_A_column[:, None] * k_F
@@ -533,14 +533,14 @@ def _intra_backward_keys_kernel(
         J = I - 1 - J_step
         k_J = _rows(k, chunk_first + J * 16, end, HK, cols_k, k_ok)
         g_J = _rows(g, chunk_first + J * 16, end, HK, cols_k, k_ok)
-        k_right = k_J * tl.exp(_exclusive_suffix(g_J)) * between[None, :]
+        k_right = k_J * _exp(_exclusive_suffix(g_J)) * between[None, :]
         tile = (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
         from_earlier_A += tl.dot(tl.load(d_A_scratch + tile), k_right, input_precision=DOT)
         from_earlier_P += tl.dot(tl.load(d_P_scratch + tile), k_right, input_precision=DOT)
-        between = between * tl.exp(tl.sum(g_J, 0))
+        between = between * _exp(tl.sum(g_J, 0))
     before = between  # the decay of every sub-block before I
     g_I = _rows(g, first, end, HK, cols_k, k_ok)
-    left = tl.exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
+    left = _exp(tl.cumsum(g_I, 0))  # g_{16 I} + ... + g_i
     d_bk_A = left * from_earlier_A
     d_q_P = left * from_earlier_P
 
@@ -551,15 +551,15 @@ def _intra_backward_keys_kernel(
     for I2 in tl.range(I + 1, 4, num_stages=STAGES):
         first2 = chunk_first + I2 * 16
         g2 = _rows(g, first2, end, HK, cols_k, k_ok)
-        left2 = tl.exp(tl.cumsum(g2, 0)) * between[None, :]
+        left2 = _exp(tl.cumsum(g2, 0)) * between[None, :]
         q2 = _rows(q, first2, end, HK, cols_k, k_ok)
         bk2 = _rows(b, first2, end, HK, cols_k, k_ok) * _rows(k, first2, end, HK, cols_k, k_ok)
         tile_T = (I2 * 16 + r)[None, :] * 64 + I * 16 + r[:, None]  # (dA[I2, I])^T
         to_later += tl.dot(tl.load(d_A_scratch + tile_T), bk2 * left2, input_precision=DOT)
         to_later += tl.dot(tl.load(d_P_scratch + tile_T), q2 * left2, input_precision=DOT)
-        between = between * tl.exp(tl.sum(g2, 0))
+        between = between * _exp(tl.sum(g2, 0))
     after = between
-    right = tl.exp(_exclusive_suffix(g_I))  # g_{j+1} + ... + the end of I
+    right = _exp(_exclusive_suffix(g_I))  # g_{j+1} + ... + the end of I
     d_k_pair = right * to_later
 
     # Pairs inside I, without sums across rows: one row i at a time for the keys' side (``E[j] =
