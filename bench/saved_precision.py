@@ -39,6 +39,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from gdn2.testing import GRAD_NAMES  # no Triton import: the workers import it under the interpreter
+
 DEFAULT = ("states", "qd", "kd", "Wk", "U")
 # Each configuration: the saved buffers in bfloat16 and, where it differs from the default, a
 # launch constant (kernel_resources.set_launch).
@@ -57,7 +59,7 @@ SHAPES = [(1, 200, 2, 128, 128, (-20.0, 0.0)), (2, 300, 2, 128, 128, (-3.0, 0.0)
 # Launch constants for the interpreter: fewer, wider programs (the same arithmetic per column).
 FAST_BLOCKS = dict(INTRA_BACKWARD_KEYS_BLOCK=128, INTRA_BACKWARD_KEY_BLOCK=128, INTRA_BACKWARD_VALUE_BLOCK=128,
                    DIAGONAL_KEY_BLOCK=128, INTRA_FORWARD_KEY_BLOCK=64)
-GRADIENTS = ("dq", "dk", "dv", "dg", "db", "dw", "dinitial_state")
+GRADIENTS = tuple(f"d{name}" for name in GRAD_NAMES)
 
 
 def _task(shape_index: int, seed: int, configs: list[str], gpu_blocks: bool) -> list[dict]:

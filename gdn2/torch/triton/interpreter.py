@@ -85,11 +85,9 @@ def correct_bfloat16() -> None:
         return create_fp_to_fp(self, src, dst_type, rounding_mode) if result is None else result
 
     def by_value(result):
-        """An elementwise result on widened operands: a float32 value rounded back to bfloat16
-        (a comparison's result as the interpreter makes it from float32 operands)."""
-        if result.dtype.scalar == tl.float32 and np.asarray(result.data).dtype == np.float32:
-            return TensorHandle(bfloat16_bits(np.asarray(result.data)), tl.bfloat16)
-        return result
+        """A result on widened operands rounded back to bfloat16 (if float32)."""
+        back = rounded(result, tl.bfloat16)
+        return result if back is None else back
 
     def is_bfloat16(*handles):
         return any(h.dtype.scalar == tl.bfloat16 for h in handles)
@@ -128,8 +126,7 @@ def correct_bfloat16() -> None:
             result = [result] if single else list(result)
             for i, r in enumerate(result):  # results by the position of their input (an arg-reduction's index after)
                 if i < len(bfloat16) and bfloat16[i] and r.dtype.scalar == tl.float32:
-                    result[i] = with_element(r, TensorHandle(bfloat16_bits(np.asarray(r.handle.data)), tl.bfloat16),
-                                             tl.bfloat16)
+                    result[i] = with_element(r, by_value(r.handle), tl.bfloat16)
             return result[0] if single else result
         return apply
 
