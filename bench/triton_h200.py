@@ -139,6 +139,10 @@ VARIANTS: list[dict] = [
     dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_SPLIT_DS=True),
     dict(STATE_BACKWARD_ROUNDED=("dS", "dU", "P")),
     dict(STATE_BACKWARD_ROUNDED=("dU", "P"), MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
+    # the reverse pass's state gradients and dU stored in bfloat16 (half of the pass's writes and of
+    # the contraction's and value launch's reads of them), alone and with ("dU", "P") rounded
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), STATE_BACKWARD_ROUNDED=("dU", "P")),
 ]
 
 

@@ -158,6 +158,47 @@ def test_state_update_ignores_how_U_is_saved(seed, interpreter, monkeypatch):
 
 
 @kernel_only
+def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
+    """The reverse pass's gradients of the leaving states and of U stored in bfloat16
+    (``GRADIENTS_IN_BFLOAT16``): the pass holds both in float32 and rounds them on the store only,
+    so the initial state's gradient (and dq) is the same bit for bit as with float32 buffers, while the
+    gradients of the launches that read them move (they read the rounded values) and stay within
+    the bfloat16 tolerance of the spec (several chunks, a hard reset, K != V)."""
+    case = make_case(1, 200, 1, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    case["inputs"]["g"][0, 90, 0] = -np.inf
+    case = _rounded_case(case, torch.bfloat16)
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    d_o = torch.randn(q.shape[:3] + v.shape[-1:], generator=generator).to(torch.bfloat16)
+    d_final = torch.randn(state.shape, generator=generator)
+    runs = {}
+    for in_bfloat16 in ((), ("d_leaving", "d_U")):
+        monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", in_bfloat16)
+        saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)[2:]
+        runs[in_bfloat16] = kernel._backward(q, k, v, g, b, w, saved, d_o, d_final, 64 ** -0.5, True, None, None)
+    exact, rounded = runs[()], runs[("d_leaving", "d_U")]
+    # dq reads neither (o = scale (qd S + P U)): it too is the same bit for bit
+    for name, x, y in (("dq", exact[0], rounded[0]), ("d_initial", exact[-1], rounded[-1])):
+        assert torch.equal(x, y) and x.abs().max() > 0, name
+    for name, x, y in zip(("dk", "dv", "dg", "db", "dw"), exact[1:], rounded[1:]):
+        assert torch.isfinite(x).all() and not torch.equal(x, y), name
+    result = run_torch(case, "bfloat16", path="kernel")
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 2e-2, (seed, name, errors)
+
+
+def test_gradients_in_bfloat16_names_its_buffers(monkeypatch):
+    """``GRADIENTS_IN_BFLOAT16`` acts only with bfloat16 inputs; another name is refused by name."""
+    monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", ("d_U",))
+    assert kernel._gradient_dtype("d_U", torch.bfloat16) == torch.bfloat16
+    assert kernel._gradient_dtype("d_leaving", torch.bfloat16) == torch.float32
+    assert kernel._gradient_dtype("d_U", torch.float16) == torch.float32
+    monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", ("d_S",))
+    with pytest.raises(ValueError, match="GRADIENTS_IN_BFLOAT16: expected names among 'd_leaving' and 'd_U', received"):
+        kernel._gradient_dtype("d_U", torch.bfloat16)
+
+
+@kernel_only
 def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     """Slow decay, so that A's tiles far below the diagonal count in the blocked inverse, and a
     hard reset: output, final state and every gradient against the spec in float32. The

@@ -107,6 +107,22 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
 
 
+# The backward's own buffers kept in bfloat16 when the inputs are bfloat16: "d_leaving" (the
+# state's gradient leaving each chunk, [B, H, N, K, V]: the largest buffer of the backward) and
+# "d_U" (the gradient of U). The reverse pass holds both in float32 and rounds them on the store
+# only, so the rounding does not feed back through the chunks; the launches after it widen what
+# they read. flash-linear-attention keeps both in its inputs' dtype.
+GRADIENTS_IN_BFLOAT16: tuple[str, ...] = ()
+
+
+def _gradient_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the backward buffer ``name`` ("d_leaving" or "d_U") for inputs of ``dtype``."""
+    if not set(GRADIENTS_IN_BFLOAT16) <= {"d_leaving", "d_U"}:
+        raise ValueError(f"GRADIENTS_IN_BFLOAT16: expected names among 'd_leaving' and 'd_U', received "
+                         f"{GRADIENTS_IN_BFLOAT16!r}")
+    return torch.bfloat16 if dtype == torch.bfloat16 and name in GRADIENTS_IN_BFLOAT16 else torch.float32
+
+
 def _saved_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
     """The dtype of each saved buffer (order of ``SAVED``) for inputs of ``dtype``."""
     return [torch.bfloat16 if dtype == torch.bfloat16 and name in SAVED_IN_BFLOAT16 else torch.float32
@@ -188,7 +204,8 @@ def _backward(
         correct_interpreter()
     d_o = d_o.contiguous()
     d_final = None if d_final is None else d_final.to(torch.float32).contiguous()
-    d_leaving, d_U = (torch.empty(x.shape, device=q.device, dtype=torch.float32) for x in (states, U))
+    d_leaving, d_U = (torch.empty(x.shape, device=q.device, dtype=_gradient_dtype(name, q.dtype))
+                      for name, x in (("d_leaving", states), ("d_U", U)))
     _, rows = _chunks_and_rows(q, chunk_table, sequence_chunks)
     d_initial = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device) if has_initial else q.new_empty(0)
     state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial if has_initial else None, scale,
