@@ -360,6 +360,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     def saved(name):  # the dtype of a saved buffer, as the operator allocates it
         return "bf16" if inp == "bf16" and name in operator.SAVED_IN_BFLOAT16 else f32
 
+    def gradient(name):  # the dtype of the reverse pass's d_leaving or d_U
+        return "bf16" if inp == "bf16" and name in operator.GRADIENTS_IN_BFLOAT16 else f32
+
     saved_states = saved("states")
     bk = max(16, triton.next_power_of_2(K))
     out = {}
@@ -430,7 +433,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["state_backward"] = (
         bw._state_backward_kernel,
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32,
-             d_leaving=f32, d_U=f32, d_initial=f32, chunk_table="i32", sequence_chunks="i32"),
+             d_leaving=gradient("d_leaving"), d_U=gradient("d_U"), d_initial=f32, chunk_table="i32",
+             sequence_chunks="i32"),
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
              HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
@@ -445,13 +449,17 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
                   PACKED=packed)
     out["intra_backward_contract"] = (
         bw._intra_backward_contract_kernel,
-        dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=f32, d_U=f32,
+        dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=gradient("d_leaving"), d_U=gradient("d_U"),
              inverse=saved("inverse"), d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
-        dict(scale="fp32"), dict(blocks, STAGES=bw.CONTRACT_STAGES), bw.INTRA_BACKWARD_WARPS,
+        dict(scale="fp32"),
+        dict(blocks, STAGES=bw.CONTRACT_STAGES, STORED=bw.CONTRACT_BFLOAT16_PRODUCTS and {
+            saved_states, saved("U"), inp, gradient("d_leaving"), gradient("d_U")} == {"bf16"}),
+        bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
-        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp, d_U=f32,
+        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp,
+             d_U=gradient("d_U"),
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES), bw.INTRA_BACKWARD_WARPS,
     )

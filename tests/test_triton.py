@@ -187,6 +187,51 @@ def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
     assert error <= 2e-2, (seed, name, errors)
 
 
+class _LaunchSpy:
+    """A kernel whose launches record their keyword arguments, then run the kernel."""
+
+    def __init__(self, kernel_function):
+        self.kernel_function, self.launches = kernel_function, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel_function[grid](*args, **kwargs)
+
+        return launch
+
+
+@kernel_only
+def test_contraction_products_on_stored_bfloat16(seed, interpreter, monkeypatch):
+    """The contraction launch's products on its bfloat16 operands as stored
+    (``CONTRACT_BFLOAT16_PRODUCTS``, with d_leaving and d_U in bfloat16) give the widened products'
+    results up to float32 rounding: both are exact products, summed in another order and with dO's
+    scale on the sum. The buffers come from the forward and the reverse pass (two heads, several
+    chunks, T not a multiple of 64, K != V); the spy checks that the form asked for ran."""
+    from gdn2.torch.triton import backward
+
+    monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", ("d_leaving", "d_U"))
+    case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    scale = 64 ** -0.5
+    qd, kd, gamma, Wk, Uw, P, inverse, states, U = kernel._forward(q, k, v, g, b, w, state, scale, None, None)[2:]
+    generator = torch.Generator().manual_seed(seed)
+    d_o = torch.randn(q.shape[:3] + v.shape[-1:], generator=generator).to(torch.bfloat16)
+    d_leaving, d_U = (torch.empty(x.shape, dtype=torch.bfloat16) for x in (states, U))
+    precision = kernel._dot_precision(q.device)
+    backward.state_backward(qd, kd, Wk, gamma, P, d_o, None, d_leaving, d_U, None, scale, precision)
+    spy = _LaunchSpy(backward._intra_backward_contract_kernel)
+    monkeypatch.setattr(backward, "_intra_backward_contract_kernel", spy)
+    results = {}
+    for stored in (False, True):
+        monkeypatch.setattr(backward, "CONTRACT_BFLOAT16_PRODUCTS", stored)
+        results[stored] = backward.intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale, precision)
+    assert [launch["STORED"] for launch in spy.launches] == [False, True]
+    for name, widened, on_stored in zip(("d_qd", "d_kd", "d_bkd", "d_gamma"), results[False], results[True]):
+        assert widened.abs().max() > 0, name
+        torch.testing.assert_close(on_stored, widened, rtol=1e-5, atol=1e-6 * widened.abs().max().item(), msg=name)
+
+
 def test_gradients_in_bfloat16_names_its_buffers(monkeypatch):
     """``GRADIENTS_IN_BFLOAT16`` acts only with bfloat16 inputs; another name is refused by name."""
     monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", ("d_U",))

@@ -288,6 +288,11 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861; 4: 10.510 against 10.523)
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
+# The contraction launch's products on its operands as stored where all are bfloat16 (the saved
+# states and U, dO, and d_leaving and d_U with GRADIENTS_IN_BFLOAT16): exact products as the
+# widened TF32 ones are (a bfloat16 value is a TF32 value), without the widening and with half the
+# shared memory a tile; dO's scale goes on the sum (the widened form rounds scale dO to TF32).
+CONTRACT_BFLOAT16_PRODUCTS = False
 
 
 @triton.jit
@@ -304,11 +309,13 @@ def _intra_backward_contract_kernel(
     d_qd, d_kd, d_bkd, d_gamma,  # outputs: [B, H, N * C, K] x3, [B, H, N, K] float32
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, STORED: tl.constexpr,
 ):
     """The state-sized contractions for one block of key columns: the gradients of the decayed
     queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
-    ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma."""
+    ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma. With
+    ``STORED`` (every operand bfloat16 as stored) the products run on the operands as stored: exact
+    products, as the widened ones are, with dO's scale applied to the sum."""
     # The key blocks of a chunk are adjacent programs, so that U, dU, dO and X come from L2 after
     # the first (with the key block the slowest axis, each was read from memory once per block).
     i_n, k0 = _with_key_block(K, BKB)
@@ -332,17 +339,25 @@ def _intra_backward_contract_kernel(
         v_ok = cols_v < V
         state_offsets = state_base + cols_k[:, None] * V + cols_v[None, :]
         state_mask = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(states + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
-        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
+        S = tl.load(states + state_offsets, mask=state_mask, other=0.0)
+        dS = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0)
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
+        dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        d_q_decayed += tl.dot(d_out * scale, tl.trans(S), input_precision=DOT)
-        d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
-        d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
-        d_decay += tl.sum(dS * S, 1)
+        d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        if STORED:
+            d_q_decayed += tl.dot(d_out, tl.trans(S))
+            d_k_to_end += tl.dot(U_tile, tl.trans(dS))
+            d_Wk -= tl.dot(dU_tile, tl.trans(S))
+        else:
+            S, dS, U_tile, dU_tile = S.to(tl.float32), dS.to(tl.float32), U_tile.to(tl.float32), dU_tile.to(tl.float32)
+            d_q_decayed += tl.dot(d_out.to(tl.float32) * scale, tl.trans(S), input_precision=DOT)
+            d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
+            d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
+        d_decay += tl.sum(dS.to(tl.float32) * S.to(tl.float32), 1)
+    if STORED:
+        d_q_decayed *= scale
     d_bk_decayed = tl.dot(tl.trans(_load_chunk_matrix(_chunk_matrix(inverse, i_bh * N + i_n))), d_Wk, input_precision=DOT)
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
     out_ok = (rows >= 0)[:, None] & k_ok[None, :]
@@ -672,7 +687,9 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N * triton.cdiv(K, BKB), B * H)](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=CONTRACT_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_contract"),
+        STAGES=CONTRACT_STAGES,
+        STORED=CONTRACT_BFLOAT16_PRODUCTS and all(x.dtype == torch.bfloat16 for x in (states, U, d_o, d_leaving, d_U)),
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_contract"),
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
