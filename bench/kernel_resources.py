@@ -452,16 +452,15 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=gradient("d_leaving"), d_U=gradient("d_U"),
              inverse=saved("inverse"), d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
         dict(scale="fp32"),
-        dict(blocks, STAGES=bw.CONTRACT_STAGES, STORED=bw.CONTRACT_BFLOAT16_PRODUCTS and {
-            saved_states, saved("U"), inp, gradient("d_leaving"), gradient("d_U")} == {"bf16"}),
-        bw.INTRA_BACKWARD_WARPS,
+        dict(blocks, STAGES=bw.CONTRACT_STAGES, STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS), bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
         dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp,
              d_U=gradient("d_U"),
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
-        dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES), bw.INTRA_BACKWARD_WARPS,
+        dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES, STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS),
+        bw.INTRA_BACKWARD_WARPS,
     )
     LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]
     LOOP_TRIPS["intra_backward_values"] = [-(-V // blocks["BV"]), key_blocks_of(blocks["BKB"])]

@@ -143,11 +143,14 @@ VARIANTS: list[dict] = [
     # the contraction's and value launch's reads of them), alone and with ("dU", "P") rounded
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), STATE_BACKWARD_ROUNDED=("dU", "P")),
-    # and the contraction's products on its operands as stored, all bfloat16 then (sm_90a, K = V =
-    # 64: 80 registers against 128, 0.180 G warp-instructions a launch against 0.224)
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), CONTRACT_BFLOAT16_PRODUCTS=True),
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), CONTRACT_BFLOAT16_PRODUCTS=True,
+    # and the contraction's and value launch's products on bfloat16 operands as stored (all of the
+    # contraction's then; sm_90a, K = V = 64: 80 registers against 128, 0.180 G warp-instructions
+    # a launch against 0.224)
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True,
          STATE_BACKWARD_ROUNDED=("dU", "P")),
+    # the products on bfloat16 operands as stored alone (dO S^T and dO U^T; d_leaving, d_U float32)
+    dict(INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
 ]
 
 

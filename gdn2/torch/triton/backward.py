@@ -288,11 +288,11 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861; 4: 10.510 against 10.523)
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
-# The contraction launch's products on its operands as stored where all are bfloat16 (the saved
-# states and U, dO, and d_leaving and d_U with GRADIENTS_IN_BFLOAT16): exact products as the
-# widened TF32 ones are (a bfloat16 value is a TF32 value), without the widening and with half the
-# shared memory a tile; dO's scale goes on the sum (the widened form rounds scale dO to TF32).
-CONTRACT_BFLOAT16_PRODUCTS = False
+# The contraction and value launches' products whose operands are both bfloat16 as stored (the
+# saved states and U, dO, and d_leaving and d_U with GRADIENTS_IN_BFLOAT16) on them as stored
+# (``_product``): exact products, as the widened TF32 ones are, without the widening and with half
+# the shared memory a tile; dO's scale then goes on the sums (widened, it is on dO, rounded to TF32).
+INTRA_BACKWARD_BFLOAT16_PRODUCTS = False
 
 
 @triton.jit
@@ -301,6 +301,15 @@ def _with_key_block(K: tl.constexpr, BKB: tl.constexpr):
     column)``, the index counting what the key blocks split (chunks, or sub-blocks)."""
     key_blocks: tl.constexpr = (K + BKB - 1) // BKB
     return tl.program_id(0) // key_blocks, tl.program_id(0) % key_blocks * BKB
+
+
+@triton.jit
+def _product(a, b, acc, DOT: tl.constexpr):
+    """``acc + a b``: on a and b as stored where both are bfloat16 (an exact product, as the
+    widened one is: a bfloat16 value is a TF32 value), else on both widened to float32 in ``DOT``."""
+    if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT)
 
 
 @triton.jit
@@ -313,9 +322,7 @@ def _intra_backward_contract_kernel(
 ):
     """The state-sized contractions for one block of key columns: the gradients of the decayed
     queries (o = scale qd S), of the keys decayed to the chunk end (S' = gamma S + kd^T U), of
-    ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma. With
-    ``STORED`` (every operand bfloat16 as stored) the products run on the operands as stored: exact
-    products, as the widened ones are, with dO's scale applied to the sum."""
+    ``b k exp(G)`` through ``Wk = X (b k exp(G))`` and ``U = Uw - Wk S``, and of gamma."""
     # The key blocks of a chunk are adjacent programs, so that U, dU, dO and X come from L2 after
     # the first (with the key block the slowest axis, each was read from memory once per block).
     i_n, k0 = _with_key_block(K, BKB)
@@ -346,10 +353,10 @@ def _intra_backward_contract_kernel(
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         d_out = tl.load(d_o + value_offsets, mask=row_ok[:, None] & v_ok[None, :], other=0.0)
-        if STORED:
-            d_q_decayed += tl.dot(d_out, tl.trans(S))
-            d_k_to_end += tl.dot(U_tile, tl.trans(dS))
-            d_Wk -= tl.dot(dU_tile, tl.trans(S))
+        if STORED:  # dO's scale and d_Wk's sign go on the sums
+            d_q_decayed = _product(d_out, tl.trans(S), d_q_decayed, DOT)
+            d_k_to_end = _product(U_tile, tl.trans(dS), d_k_to_end, DOT)
+            d_Wk = _product(dU_tile, tl.trans(S), d_Wk, DOT)
         else:
             S, dS, U_tile, dU_tile = S.to(tl.float32), dS.to(tl.float32), U_tile.to(tl.float32), dU_tile.to(tl.float32)
             d_q_decayed += tl.dot(d_out.to(tl.float32) * scale, tl.trans(S), input_precision=DOT)
@@ -358,6 +365,7 @@ def _intra_backward_contract_kernel(
         d_decay += tl.sum(dS.to(tl.float32) * S.to(tl.float32), 1)
     if STORED:
         d_q_decayed *= scale
+        d_Wk = -d_Wk
     d_bk_decayed = tl.dot(tl.trans(_load_chunk_matrix(_chunk_matrix(inverse, i_bh * N + i_n))), d_Wk, input_precision=DOT)
     padded_k = i_bh * N * C * K + (i_n * C + rows[:, None]) * K + cols_k[None, :]
     out_ok = (rows >= 0)[:, None] & k_ok[None, :]
@@ -375,7 +383,7 @@ def _intra_backward_values_kernel(
     dv, dw,  # outputs, shapes and dtypes of v and w
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, STORED: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -398,13 +406,16 @@ def _intra_backward_values_kernel(
         cols_v = v0 + tl.arange(0, BV)
         v_ok = cols_v < V
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
-        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         value_mask = row_ok[:, None] & v_ok[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=value_mask, other=0.0).to(tl.float32) * scale
-        d_P += tl.dot(d_out, tl.trans(U_tile), input_precision=DOT)
+        d_out = tl.load(d_o + value_offsets, mask=value_mask, other=0.0)
+        if STORED:  # dO's scale goes on the sum
+            d_P = _product(d_out, tl.trans(U_tile), d_P, DOT)
+        else:
+            d_P += tl.dot(d_out.to(tl.float32) * scale, tl.trans(U_tile.to(tl.float32)), input_precision=DOT)
         d_wv = tl.dot(tl.trans(inverse_tile), dU_tile, input_precision=DOT)
         v_tile = tl.load(v + value_offsets, mask=value_mask, other=0.0).to(tl.float32)
         w_tile = tl.load(w + value_offsets, mask=value_mask, other=0.0).to(tl.float32)
@@ -421,6 +432,8 @@ def _intra_backward_values_kernel(
         Wk_tile = tl.load(Wk + padded_k, mask=k_ok, other=0.0).to(tl.float32)
         d_A -= tl.dot(d_bk_decayed, tl.trans(Wk_tile), input_precision=DOT)
     d_A = tl.where(cols_c[None, :] < rows[:, None], d_A, 0.0)
+    if STORED:
+        d_P *= scale
     d_P = tl.where(cols_c[None, :] <= rows[:, None], d_P, 0.0)  # with its diagonal (read apart)
     # the keys launch reads the diagonal tiles and those below only
     block_lower = rows[:, None] // 16 >= cols_c[None, :] // 16
@@ -687,9 +700,8 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N * triton.cdiv(K, BKB), B * H)](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=CONTRACT_STAGES,
-        STORED=CONTRACT_BFLOAT16_PRODUCTS and all(x.dtype == torch.bfloat16 for x in (states, U, d_o, d_leaving, d_U)),
-        num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_contract"),
+        STAGES=CONTRACT_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        **register_cap("intra_backward_contract"),
     )
     return d_qd, d_kd, d_bkd, d_gamma
 
@@ -705,7 +717,7 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=VALUES_STAGES, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_values"),
+        STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_values"),
     )
     return dv, dw, d_A, d_P
 
