@@ -139,18 +139,19 @@ VARIANTS: list[dict] = [
     dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_SPLIT_DS=True),
     dict(STATE_BACKWARD_ROUNDED=("dS", "dU", "P")),
     dict(STATE_BACKWARD_ROUNDED=("dU", "P"), MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
-    # the reverse pass's state gradients and dU stored in bfloat16 (half of the pass's writes and of
-    # the contraction's and value launch's reads of them), alone and with ("dU", "P") rounded
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), STATE_BACKWARD_ROUNDED=("dU", "P")),
-    # and the contraction's and value launch's products on bfloat16 operands as stored (all of the
-    # contraction's then; sm_90a, K = V = 64: 80 registers against 128, 0.180 G warp-instructions
-    # a launch against 0.224)
+    # the contraction's and value launch's products on bfloat16 operands as stored: with d_leaving
+    # in bfloat16, dO S^T and U d_leaving^T in the contraction and scale dO U^T in the value launch
+    # (sm_90a, contraction: K = V = 128 88 registers against 125, 0.226 G warp-instructions a
+    # launch against 0.289; K = V = 64 72 against 107, 0.195 against 0.228; d_leaving in bfloat16
+    # alone was timed no faster, 8.551 against 8.547 ms, and moves only dk's and dg's errors);
+    # with d_U too (every contraction product; not a candidate: db's error up to 1.9x, a speed
+    # reference); the products alone (d_leaving, d_U float32); and the first with ("dU", "P")
+    # rounded in the reverse pass
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving",), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True,
-         STATE_BACKWARD_ROUNDED=("dU", "P")),
-    # the products on bfloat16 operands as stored alone (dO S^T and dO U^T; d_leaving, d_U float32)
     dict(INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving",), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True,
+         STATE_BACKWARD_ROUNDED=("dU", "P")),
 ]
 
 

@@ -109,9 +109,12 @@ SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
 
 # The backward's own buffers kept in bfloat16 when the inputs are bfloat16: "d_leaving" (the
 # state's gradient leaving each chunk, [B, H, N, K, V]: the largest buffer of the backward) and
-# "d_U" (the gradient of U). The reverse pass holds both in float32 and rounds them on the store
-# only, so the rounding does not feed back through the chunks; the launches after it widen what
-# they read. flash-linear-attention keeps both in its inputs' dtype.
+# "d_U" (the gradient of U), as flash-linear-attention keeps both. The reverse pass holds both in
+# float32 and rounds them on the store only, so the rounding does not feed back through the
+# chunks. Under the interpreter (bench/RESULTS.md, 18 draws beside fla): d_leaving moves only dk's
+# and dg's errors (1.14x and 1.09x the default's, median), d_U db's up to 1.9x. On the H200
+# d_leaving alone was no faster (8.551 against 8.547 ms forward+backward): its use is to give
+# the contraction's products bfloat16 operands (INTRA_BACKWARD_BFLOAT16_PRODUCTS in backward.py).
 GRADIENTS_IN_BFLOAT16: tuple[str, ...] = ()
 
 
