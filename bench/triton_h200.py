@@ -152,6 +152,14 @@ VARIANTS: list[dict] = [
     dict(INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving",), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True,
          STATE_BACKWARD_ROUNDED=("dU", "P")),
+    # the reverse pass at 8 warps capped at 128 registers: two programs (16 warps) a multiprocessor
+    # as at 4 warps, each warp's loop shorter (sm_90a, instructions a chunk per warp: K = V = 128
+    # 1,024 against 1,224, with ("dU", "P") rounded 910 against 1,054; K = V = 64 612 against 659
+    # rounded) with ~600 B of spills; uncapped (249 registers) one program a multiprocessor, the
+    # 256 programs of the first shape in two waves
+    dict(STATE_BACKWARD_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
+    dict(STATE_BACKWARD_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128},
+         STATE_BACKWARD_ROUNDED=("dU", "P")),
 ]
 
 
