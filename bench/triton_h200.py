@@ -160,6 +160,12 @@ VARIANTS: list[dict] = [
     dict(STATE_BACKWARD_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
     dict(STATE_BACKWARD_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128},
          STATE_BACKWARD_ROUNDED=("dU", "P")),
+    # the state forward at 8 warps, capped at 128 registers (two programs a multiprocessor: K = V =
+    # 128 925 instructions a chunk per warp against 1,110, 276 B of spills) and not (205
+    # registers at K = 128, one program a multiprocessor; K = V = 64 119 registers, 428 against
+    # 481); an earlier form of this pass was built wrong at 8 warps (Triton 3.6): agreement first
+    dict(STATE_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_forward": 128}),
+    dict(STATE_WARPS=8),
 ]
 
 
