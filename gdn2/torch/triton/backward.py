@@ -717,7 +717,8 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     _intra_backward_values_kernel[(N, B * H)](
         v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1, **register_cap("intra_backward_values"),
+        STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        **register_cap("intra_backward_values"),
     )
     return dv, dw, d_A, d_P
 
