@@ -202,23 +202,25 @@ class _LaunchSpy:
 
 
 @kernel_only
-def test_intra_backward_products_on_stored_bfloat16(seed, interpreter, monkeypatch):
+@pytest.mark.parametrize("gradients", [(), ("d_leaving",), ("d_leaving", "d_U")], ids=["float32", "d_leaving", "both"])
+def test_intra_backward_products_on_stored_bfloat16(gradients, seed, interpreter, monkeypatch):
     """The contraction and value launches' products on bfloat16 operands as stored
-    (``INTRA_BACKWARD_BFLOAT16_PRODUCTS``, with d_leaving and d_U in bfloat16: every product of the
-    contraction) give the widened products' results up to float32 rounding: both are exact
-    products, summed in another order. The buffers come from the forward and the reverse pass (two
-    heads, several chunks, T not a multiple of 64, K != V); spies check that the form asked for
-    ran."""
+    (``INTRA_BACKWARD_BFLOAT16_PRODUCTS``; with d_leaving and d_U in bfloat16 every product of the
+    contraction, with float32 ones a mix) give the widened products' results up to float32
+    rounding: both are exact products, summed in another order. The buffers come from the forward
+    and the reverse pass (two heads, several chunks, T not a multiple of 64, K != V); spies check
+    that the form asked for ran."""
     from gdn2.torch.triton import backward
 
-    monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", ("d_leaving", "d_U"))
+    monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", gradients)
     case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
     scale = 64 ** -0.5
     qd, kd, gamma, Wk, Uw, P, inverse, states, U = kernel._forward(q, k, v, g, b, w, state, scale, None, None)[2:]
     generator = torch.Generator().manual_seed(seed)
     d_o = torch.randn(q.shape[:3] + v.shape[-1:], generator=generator).to(torch.bfloat16)
-    d_leaving, d_U = (torch.empty(x.shape, dtype=torch.bfloat16) for x in (states, U))
+    d_leaving, d_U = (torch.empty(x.shape, dtype=kernel._gradient_dtype(name, torch.bfloat16))
+                      for name, x in (("d_leaving", states), ("d_U", U)))
     precision = kernel._dot_precision(q.device)
     backward.state_backward(qd, kd, Wk, gamma, P, d_o, None, d_leaving, d_U, None, scale, precision)
     spies = [_LaunchSpy(getattr(backward, name))
