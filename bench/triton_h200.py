@@ -139,32 +139,21 @@ VARIANTS: list[dict] = [
     dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_SPLIT_DS=True),
     dict(STATE_BACKWARD_ROUNDED=("dS", "dU", "P")),
     dict(STATE_BACKWARD_ROUNDED=("dU", "P"), MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
-    # the contraction's and value launch's products on bfloat16 operands as stored: with d_leaving
-    # in bfloat16, dO S^T and U d_leaving^T in the contraction and scale dO U^T in the value launch
-    # (sm_90a, contraction: K = V = 128 88 registers against 125, 0.226 G warp-instructions a
-    # launch against 0.289; K = V = 64 72 against 107, 0.195 against 0.228; d_leaving in bfloat16
-    # alone was timed no faster, 8.551 against 8.547 ms, and moves only dk's and dg's errors);
-    # with d_U too (every contraction product; not a candidate: db's error up to 1.9x, a speed
-    # reference); the products alone (d_leaving, d_U float32); and the first with ("dU", "P")
-    # rounded in the reverse pass
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving",), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
-    dict(INTRA_BACKWARD_BFLOAT16_PRODUCTS=True),
-    dict(GRADIENTS_IN_BFLOAT16=("d_leaving",), INTRA_BACKWARD_BFLOAT16_PRODUCTS=True,
-         STATE_BACKWARD_ROUNDED=("dU", "P")),
-    # the reverse pass at 8 warps capped at 128 registers: two programs (16 warps) a multiprocessor
-    # as at 4 warps, each warp's loop shorter (sm_90a, instructions a chunk per warp: K = V = 128
-    # 1,024 against 1,224, with ("dU", "P") rounded 910 against 1,054; K = V = 64 612 against 659
-    # rounded) with ~600 B of spills; uncapped (249 registers) one program a multiprocessor, the
-    # 256 programs of the first shape in two waves
-    dict(STATE_BACKWARD_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
-    dict(STATE_BACKWARD_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128},
-         STATE_BACKWARD_ROUNDED=("dU", "P")),
-    # the state forward at 8 warps, capped at 128 registers (two programs a multiprocessor: K = V =
-    # 128 925 instructions a chunk per warp against 1,110, 276 B of spills) and not (205
-    # registers at K = 128, one program a multiprocessor; K = V = 64 119 registers, 428 against
-    # 481); an earlier form of this pass was built wrong at 8 warps (Triton 3.6): agreement first
-    dict(STATE_WARPS=8, MAX_REGISTERS={**MAX_REGISTERS, "state_forward": 128}),
+    # the default before 2026-12-05's run: d_leaving in float32 and the in-chunk backward's
+    # products widened (H200: forward+backward 8.327 / 7.952 ms against the default's 8.027 /
+    # 7.720 at the first and third shapes); d_U in bfloat16 too (every contraction product on
+    # stored operands; db's error up to 1.9x beside fla, a speed reference); the products with
+    # d_leaving in float32 (8.131 / 7.862 against that process's 8.284 / 7.912)
+    dict(GRADIENTS_IN_BFLOAT16=(), INTRA_BACKWARD_BFLOAT16_PRODUCTS=False),
+    dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
+    dict(GRADIENTS_IN_BFLOAT16=()),
+    # the state forward at 8 warps without a register cap (205 registers at K = 128: one program a
+    # multiprocessor; K = V = 64 119 registers, 428 instructions a chunk per warp against 481):
+    # not yet run in a process of its own. Tried on the H200 (2026-12-05) and removed: the reverse
+    # pass at 8 warps capped at 128 registers (an illegal memory access; the same with dU and P
+    # rounded did not run, the process's CUDA context was gone) and the state forward at 8 warps
+    # capped at 128 (bit-identical to the default at the five agreement shapes, then non-finite at
+    # B=1 T=200 H=2 K=V=128 and an illegal memory access; Triton 3.6)
     dict(STATE_WARPS=8),
 ]
 

@@ -112,10 +112,12 @@ SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
 # "d_U" (the gradient of U), as flash-linear-attention keeps both. The reverse pass holds both in
 # float32 and rounds them on the store only, so the rounding does not feed back through the
 # chunks. Under the interpreter (bench/RESULTS.md, 18 draws beside fla): d_leaving moves only dk's
-# and dg's errors (1.14x and 1.09x the default's, median), d_U db's up to 1.9x. On the H200
-# d_leaving alone was no faster (8.551 against 8.547 ms forward+backward): its use is to give
-# the contraction's products bfloat16 operands (INTRA_BACKWARD_BFLOAT16_PRODUCTS in backward.py).
-GRADIENTS_IN_BFLOAT16: tuple[str, ...] = ()
+# and dg's errors (1.14x and 1.09x the float32 buffer's, median; each draw's worst error within
+# the spread it had, the largest unchanged, below fla's), d_U db's up to 1.9x. d_leaving alone was
+# no faster on the H200 (8.551 against 8.547 ms forward+backward); with the contraction's products
+# on it as stored (INTRA_BACKWARD_BFLOAT16_PRODUCTS in backward.py) forward+backward went from
+# 8.327 to 8.027 ms at B=8 T=4096 H=16 K=V=128 and from 7.952 to 7.720 at B=16 T=2048 H=32 K=V=64.
+GRADIENTS_IN_BFLOAT16: tuple[str, ...] = ("d_leaving",)
 
 
 def _gradient_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -291,8 +291,12 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 # The contraction and value launches' products whose operands are both bfloat16 as stored (the
 # saved states and U, dO, and d_leaving and d_U with GRADIENTS_IN_BFLOAT16) on them as stored
 # (``_product``): exact products, as the widened TF32 ones are, without the widening and with half
-# the shared memory a tile; dO's scale then goes on the sums (widened, it is on dO, rounded to TF32).
-INTRA_BACKWARD_BFLOAT16_PRODUCTS = False
+# the shared memory a tile; dO's scale then goes on the sums (widened, it is on dO, rounded to
+# TF32: dq moved by 1.4e-3 at K = 128, where the scale is not a power of two). H200, forward+backward
+# at B=8 T=4096 H=16 K=V=128 / B=16 T=2048 H=32 K=V=64: 8.284 / 7.912 -> 8.131 / 7.862 ms alone,
+# 8.327 / 7.952 -> 8.027 / 7.720 with d_leaving in bfloat16 (sm_90a, the contraction then 88
+# registers against 125, 0.226 G warp-instructions a launch against 0.289 at K = V = 128).
+INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
 
 
 @triton.jit
