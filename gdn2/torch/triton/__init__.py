@@ -18,7 +18,8 @@ inverse of ``I + A`` is made of 16x16 products in that precision too (its diagon
 recursive doubling, the others by the blocked formula). Under the Triton
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product is exact float32. With bfloat16
 inputs, the saved buffers named in ``SAVED_IN_BFLOAT16`` (by default the chunk states, the decayed
-queries and keys, Wk and U) are kept in bfloat16.
+queries and keys, Wk and U) are kept in bfloat16, and so is the backward's gradient of the chunk
+states (``GRADIENTS_IN_BFLOAT16``).
 """
 
 from __future__ import annotations
