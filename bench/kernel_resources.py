@@ -109,7 +109,6 @@ CLASSES = {
     "STS": ("STS", "STSM"),  # shared-memory stores
     "SHFL": ("SHFL",),
     "BAR": ("BAR", "MEMBAR", "WARPSYNC", "DEPBAR"),
-    "CCTL": ("CCTL",),  # cache control: prefetches to L2
     "INT": ("IMAD", "IADD3", "IADD", "LEA", "LOP3", "SHF", "ISETP", "IMNMX", "IABS", "SGXT", "BMSK", "POPC", "FLO",
             "BREV", "IMUL", "ISCADD", "LOP", "SHL", "SHR", "VIADD", "VIMNMX"),  # integer: addresses, indices, masks
     "MOVE": ("MOV", "SEL", "PRMT", "S2R", "S2UR", "CS2R", "UMOV", "R2UR", "P2R", "R2P", "PLOP3", "ULDC", "UIADD3",
@@ -431,11 +430,6 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
     PROGRAMS["output"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
     bw = backward
-    size = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-    def prefetch_lines(nbytes):  # state_backward's KEY_LINES and P_LINES (0: no prefetch)
-        return triton.next_power_of_2(-(-nbytes // 128)) if bw.STATE_BACKWARD_PREFETCH else 0
-
     out["state_backward"] = (
         bw._state_backward_kernel,
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32,
@@ -445,9 +439,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
              HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
              STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16"),
-             **bw.state_backward_rounding(saved("qd") == inp == "bf16"),
-             KEY_LINES=prefetch_lines(max(size[saved(name)] for name in ("qd", "kd", "Wk")) * 64 * K),
-             P_LINES=prefetch_lines(size[saved("P")] * fk.TILES * 256)),
+             **bw.state_backward_rounding(saved("qd") == inp == "bf16")),
         bw.STATE_BACKWARD_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

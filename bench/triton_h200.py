@@ -155,10 +155,6 @@ VARIANTS: list[dict] = [
     # capped at 128 (bit-identical to the default at the five agreement shapes, then non-finite at
     # B=1 T=200 H=2 K=V=128 and an illegal memory access; Triton 3.6)
     dict(STATE_WARPS=8),
-    # the reverse pass asking L2 for the next chunk's inputs at the start of each step (sm_90a,
-    # K = V = 128: six CCTL.E.PF2 a chunk, 1,362 instructions against 1,295, 448 B of spills
-    # against 376), as a chunk ahead without software pipelining
-    dict(STATE_BACKWARD_PREFETCH=True),
 ]
 
 

@@ -123,23 +123,6 @@ def test_instructions_option_runs():
     assert re.search(r"dynamic per launch: [\d,]+ programs", out), out
 
 
-def test_state_backward_prefetch_reaches_the_loop():
-    """``STATE_BACKWARD_PREFETCH`` (PTX the interpreter cannot run) compiles for sm_90a into L2
-    prefetches inside the reverse pass's loop, one per prefetched buffer and thread; the default
-    has none."""
-    lines = {}
-    for setting in ("1", "0"):
-        run = subprocess.run([sys.executable, str(TOOL), "--K", "64", "--V", "64", "--instructions", "--only",
-                              "state_backward", "--variant", f"STATE_BACKWARD_PREFETCH={setting}"],
-                             cwd=ROOT, env=_compiled_mode_env(), capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0 and "failed" not in run.stdout, run.stderr[-3000:] + run.stdout
-        lines[setting] = re.search(r"^  loop 0 .*$", run.stdout, re.M).group(0)
-    prefetches = re.search(r"CCTL (\d+)", lines["1"])
-    # qd, kd, Wk, P, gamma and dO: at least one each (more where a buffer has more lines than threads)
-    assert prefetches and int(prefetches.group(1)) >= 6, lines["1"]
-    assert "CCTL" not in lines["0"], lines["0"]
-
-
 def test_interpreter_refused():
     env = _compiled_mode_env()
     env["TRITON_INTERPRET"] = "1"

@@ -903,30 +903,6 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
         assert backward.state_backward_stages(K, 64, True) == 1
 
 
-def test_state_backward_prefetch_only_on_the_gpu(interpreter, monkeypatch):
-    """``STATE_BACKWARD_PREFETCH`` is PTX: under the interpreter the reverse pass launches without
-    it (``KEY_LINES`` 0) and gives the default's bits. On a GPU it asks for every 128-byte line
-    of the next chunk's buffers (the lines counted from each buffer's dtype); its SASS is
-    checked in test_kernel_resources.py."""
-    from gdn2.torch.triton import backward
-
-    assert backward._prefetch_lines_of(torch.empty(0, dtype=torch.bfloat16), 64 * 128) == 128
-    assert backward._prefetch_lines_of(torch.empty(0, dtype=torch.float32), 10 * 256) == 128  # 80 lines
-    assert backward._prefetch_lines_of(torch.empty(0, dtype=torch.bfloat16), 64 * 48) == 64  # 48 lines
-    case = make_case(1, 150, 2, 64, 48, 3, log_decay_range=(-3.0, 0.0))
-    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
-    saved = kernel._forward(q, k, v, g, b, w, state, 0.125, None, None)[2:]
-    d_o = torch.randn(q.shape[:3] + v.shape[-1:], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    spy = _LaunchSpy(backward._state_backward_kernel)
-    monkeypatch.setattr(backward, "_state_backward_kernel", spy)
-    runs = []
-    for prefetch in (False, True):
-        monkeypatch.setattr(backward, "STATE_BACKWARD_PREFETCH", prefetch)
-        runs.append(kernel._backward(q, k, v, g, b, w, saved, d_o, None, 0.125, True, None, None))
-    assert [(launch["KEY_LINES"], launch["P_LINES"]) for launch in spy.launches] == [(0, 0), (0, 0)]
-    assert all(torch.equal(x, y) for x, y in zip(*runs))
-
-
 def test_state_backward_rounding_names_its_gradients(monkeypatch):
     """``STATE_BACKWARD_ROUNDED`` and ``STATE_BACKWARD_SPLIT_DS`` act only with bfloat16 buffers; a
     name other than dS, dU or P, and dS both rounded and split, are refused by name."""

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, TILES, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
+from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
                       _load_chunk_matrix_stored, _sequence_chunks, _split_dot, _table, register_cap, value_block)
 
 
@@ -65,11 +65,6 @@ STATE_BACKWARD_ROUNDED: tuple[str, ...] = ()
 # kd dS on kd as stored and dS as the sum of two bfloat16 parts (exact products, dS within 2^-16),
 # where qd, kd, Wk and dO are bfloat16: the bfloat16 operands of "dS" without its rounding.
 STATE_BACKWARD_SPLIT_DS = False
-# Each step of the reverse pass asks L2 for the next chunk's qd, kd, Wk, P, gamma and dO
-# (``prefetch.global.L2``: a hint that holds no registers and waits for nothing), so that the
-# step's loads come from L2 rather than DRAM without Triton's software pipelining (which needs
-# shared memory the pass lacks at K = 128). GPU only (the interpreter runs no PTX).
-STATE_BACKWARD_PREFETCH = False
 # Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
 # P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
 # float32 results (float32 saved buffers) and, with split products at 32 value columns, a wrong
@@ -150,12 +145,10 @@ def _state_backward_kernel(
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
     STAGES: tl.constexpr, ROUND_DS: tl.constexpr, SPLIT_DS: tl.constexpr, ROUND_DU: tl.constexpr,
-    ROUND_P: tl.constexpr, KEY_LINES: tl.constexpr, P_LINES: tl.constexpr,
+    ROUND_P: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
-    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used. With
-    ``KEY_LINES`` > 0, each step first prefetches the next chunk's inputs to L2
-    (``_prefetch_chunk``)."""
+    needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
     chunk_first, chunk_end, head = _sequence_chunks(sequence_chunks, i_bh, H, N, PACKED)
@@ -181,9 +174,6 @@ def _state_backward_kernel(
     for step in tl.range(0, chunk_end - chunk_first, num_stages=STAGES):
         i_n = chunk_end - 1 - step
         chunk = head * N + i_n
-        if KEY_LINES > 0:  # the last step asks for its own chunk again: a harmless hint
-            _prefetch_chunk(qd, kd, Wk, gamma, P, d_o, head * N, tl.maximum(i_n - 1, chunk_first), chunk_table,
-                            i_b, i_h, i_v, T, H, K, V, BV, PACKED, KEY_LINES, P_LINES)
         first, end = _chunk_span(chunk_table, i_n, T, PACKED)
         t = first + rows
         row0 = chunk * 64
@@ -233,45 +223,6 @@ def _state_backward_kernel(
         _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
 
 
-@triton.jit
-def _prefetch_lines(pointers):
-    """Ask L2 for the 128-byte lines holding ``pointers`` (a hint: no result, nothing waits)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_span(base, count, LINES: tl.constexpr):
-    """Prefetch ``count`` contiguous entries from ``base``: LINES pointers 128 bytes apart, the
-    ones past the end on the last entry."""
-    step: tl.constexpr = 128 // (base.dtype.element_ty.primitive_bitwidth // 8)
-    _prefetch_lines(base + tl.minimum(tl.arange(0, LINES) * step, count - 1))
-
-
-@triton.jit
-def _prefetch_chunk(qd, kd, Wk, gamma, P, d_o, head_chunk0, i_n, chunk_table, i_b, i_h, i_v, T, H,
-                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr,
-                    KEY_LINES: tl.constexpr, P_LINES: tl.constexpr):
-    """Prefetch chunk ``i_n``'s rows of qd, kd and Wk (each chunk's 64 rows are contiguous), its P
-    and gamma, and its dO rows of this program's value columns."""
-    chunk = head_chunk0 + i_n
-    _prefetch_span(qd + chunk * 64 * K, 64 * K, KEY_LINES)
-    _prefetch_span(kd + chunk * 64 * K, 64 * K, KEY_LINES)
-    _prefetch_span(Wk + chunk * 64 * K, 64 * K, KEY_LINES)
-    _prefetch_span(_chunk_matrix(P, chunk), 10 * 256, P_LINES)
-    _prefetch_span(gamma + chunk * K, K, 8)
-    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    t = tl.minimum(first + tl.arange(0, 64), end - 1)
-    # each row's first and last value column of this program: its one or two lines
-    cols = tl.minimum(i_v * BV + tl.arange(0, 2) * (BV - 1), V - 1)
-    _prefetch_lines(d_o + i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols[None, :])
-
-
-def _prefetch_lines_of(x: torch.Tensor, entries: int) -> int:
-    """Lines of 128 bytes holding ``entries`` contiguous entries of ``x``, as a power of two."""
-    return triton.next_power_of_2(-(-entries * x.element_size() // 128))
-
-
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
                    chunk_table=None, sequence_chunks=None) -> None:
     """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``), one
@@ -281,7 +232,6 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     KB = state_backward_key_block(K)
     BV = value_block(V, rows * H, STATE_BACKWARD_MIN_PROGRAMS)
-    prefetch = STATE_BACKWARD_PREFETCH and d_o.device.type == "cuda"
     _state_backward_kernel[(triton.cdiv(V, BV), rows * H)](
         qd, kd, Wk, gamma, P, d_o,
         d_final if d_final is not None else d_leaving, d_leaving, d_U,
@@ -290,8 +240,6 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16),
         **state_backward_rounding(qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16),
-        KEY_LINES=max(_prefetch_lines_of(x, CHUNK * K) for x in (qd, kd, Wk)) if prefetch else 0,
-        P_LINES=_prefetch_lines_of(P, TILES * 256) if prefetch else 0,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
