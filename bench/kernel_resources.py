@@ -373,17 +373,10 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
         dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
-             HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED,
-             DIAGONAL=fk.diagonal_phase(), DIAGONAL_BK=fk.diagonal_key_block(K),
-             DIAGONAL_STAGES=fk.DIAGONAL_STAGES),
+             HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
-    diagonal_trips = [key_blocks_of(fk.diagonal_key_block(K)), 4]  # its key loop inside the loop over sub-blocks
-    if fk.DIAGONAL_IN_INTRA_FORWARD == "before":
-        LOOP_TRIPS["intra_forward"] = diagonal_trips + LOOP_TRIPS["intra_forward"]
-    elif fk.DIAGONAL_IN_INTRA_FORWARD == "after":
-        LOOP_TRIPS["intra_forward"] = LOOP_TRIPS["intra_forward"] + diagonal_trips
     PROGRAMS["intra_forward"] = chunks * heads
     out["inverse"] = (fk._inverse_kernel, dict(A=f32, X_out=saved("inverse")), {},
                       dict(PRECISION=dot), fk.INVERSE_WARPS)
@@ -438,8 +431,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
              HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16"),
-             **bw.state_backward_rounding(saved("qd") == inp == "bf16")),
+             STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16")),
         bw.STATE_BACKWARD_WARPS,
     )
     LOOP_TRIPS["state_backward"] = [chunks]

@@ -96,49 +96,12 @@ VARIANTS: list[dict] = [
     # KiB, one program a multiprocessor: 9.215)
     dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_KEY_BLOCK=64),
     dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MAX_STAGED_K=128),
-    # the reverse state pass loading a chunk ahead at K <= 64 (bf16 saved buffers): 8.113 ms
-    # forward+backward at the third shape against 8.160, bit-identical at 64 value columns; the
-    # default once right at every agreement and check shape
-    dict(STATE_BACKWARD_STAGES=2),
+    # the reverse state pass without loads ahead at K <= 64 (the default before 2026-12-05's fifth
+    # run: 7.586 against 7.547 ms forward+backward at the third shape, bit-identical)
+    dict(STATE_BACKWARD_STAGES=1),
     # the intra-forward launch over the heads in reverse order: it starts on the inputs the diagonal
     # launch read last (the H200's 50 MB L2 holds the last ~40 MB of q, k, b and g)
     dict(INTRA_FORWARD_HEADS_REVERSED=True),
-    # the diagonal tiles made by the intra-forward launch before or after its key loop, no
-    # diagonal launch: q, k, b and g read from DRAM once (sm_90a: 250 registers, as the launch
-    # without it; 0.464 G warp-instructions a launch against 0.417 for the two launches)
-    dict(DIAGONAL_IN_INTRA_FORWARD="before"),
-    dict(DIAGONAL_IN_INTRA_FORWARD="after"),
-    # the reverse state pass's products on bfloat16 operands as flash-linear-attention's, the
-    # state's gradient and dU rounded to bfloat16 in them (sm_90a, K = V = 128: 881 instructions a
-    # chunk against 1,220, 129 shared stores against 217, 18 barriers against 46, 56 KiB; under the
-    # interpreter db's bf16 error moved -27% to +183% over six draws, and over 18 draws beside fla
-    # the worst reached 1.38e-2 against the default's 8.16e-3: not a default, bench/RESULTS.md)
-    dict(STATE_BACKWARD_ROUNDED=("dS", "dU")),
-    # the same with its loads a chunk ahead at K <= 64 (sm_90a at the third shape: 104.2 KiB, two
-    # programs a multiprocessor, 218 registers, no spills, 790 instructions a chunk against 853)
-    dict(STATE_BACKWARD_ROUNDED=("dS", "dU"), STATE_BACKWARD_STAGES=2),
-    # dU alone rounded (Wk^T dU and qd^T dO on bfloat16 operands; kd dS in TF32): every error as
-    # the default's over the same six draws (sm_90a, K = V = 128: 1,082 instructions a chunk, 16
-    # barriers, 184 B of spills, 88 KiB; at the third shape 739 against 853, no spills), and with
-    # its loads a chunk ahead at K <= 64 (112.2 KiB: two programs a multiprocessor, no spills)
-    dict(STATE_BACKWARD_ROUNDED=("dU",)),
-    dict(STATE_BACKWARD_ROUNDED=("dU",), STATE_BACKWARD_STAGES=2),
-    # the reverse pass's P^T dO on P rounded to bfloat16 and dO as stored, with dU rounded (under
-    # the interpreter, six draws: every error within 3.5% of the default's; sm_90a: 1,054
-    # instructions a chunk at K = V = 128, 228 B of spills; 659 at K = V = 64 against 853); the
-    # same with its loads a chunk ahead at K <= 64 (104.2 KiB, two programs a multiprocessor);
-    # with kd dS on dS as two bfloat16 parts too (no TF32 product left; the same errors; 1,134 and
-    # 708 instructions); with dS rounded instead (the form of flash-linear-attention's pass: 814
-    # and 569 instructions against its 748 and 454; db's error up to 2.8x, dv's and dw's 1.1-1.3x,
-    # the worst of 18 draws 1.36e-2 against the default's 8.16e-3 and fla's 8.75e-3: a speed
-    # reference, not a candidate, bench/RESULTS.md);
-    # capped at 128 registers (231 at K = 64: two programs a multiprocessor, the third shape's 512
-    # programs in two waves; at 128, four and one wave, with 472 B of spills; 1,124 B at K = 128)
-    dict(STATE_BACKWARD_ROUNDED=("dU", "P")),
-    dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_STAGES=2),
-    dict(STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_SPLIT_DS=True),
-    dict(STATE_BACKWARD_ROUNDED=("dS", "dU", "P")),
-    dict(STATE_BACKWARD_ROUNDED=("dU", "P"), MAX_REGISTERS={**MAX_REGISTERS, "state_backward": 128}),
     # the default before 2026-12-05's run: d_leaving in float32 and the in-chunk backward's
     # products widened (H200: forward+backward 8.327 / 7.952 ms against the default's 8.027 /
     # 7.720 at the first and third shapes); d_U in bfloat16 too (every contraction product on
@@ -147,14 +110,12 @@ VARIANTS: list[dict] = [
     dict(GRADIENTS_IN_BFLOAT16=(), INTRA_BACKWARD_BFLOAT16_PRODUCTS=False),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
     dict(GRADIENTS_IN_BFLOAT16=()),
-    # the state forward at 8 warps without a register cap (205 registers at K = 128: one program a
-    # multiprocessor; K = V = 64 119 registers, 428 instructions a chunk per warp against 481):
-    # not yet run in a process of its own. Tried on the H200 (2026-12-05) and removed: the reverse
-    # pass at 8 warps capped at 128 registers (an illegal memory access; the same with dU and P
-    # rounded did not run, the process's CUDA context was gone) and the state forward at 8 warps
-    # capped at 128 (bit-identical to the default at the five agreement shapes, then non-finite at
-    # B=1 T=200 H=2 K=V=128 and an illegal memory access; Triton 3.6)
-    dict(STATE_WARPS=8),
+    # Tried on the H200 (2026-12-05) and removed: the reverse pass at 8 warps capped at 128
+    # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
+    # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory
+    # access); the reverse pass's products on bfloat16 operands (dU, P and dS rounded in any
+    # combination: illegal memory accesses); the diagonal tiles made by the intra-forward launch
+    # (forward 2.57 against 1.87 ms); L2 prefetches in the reverse pass (slower). Triton 3.6.
 ]
 
 

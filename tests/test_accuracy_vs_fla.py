@@ -38,8 +38,8 @@ def test_loop_index_casts_under_the_interpreter(monkeypatch):
 
 
 def test_forms_parse_and_refuse_by_name():
-    assert tool.parse_form("STATE_BACKWARD_ROUNDED=('dU', 'P'); STATE_BACKWARD_STAGES=2") == dict(
-        STATE_BACKWARD_ROUNDED=("dU", "P"), STATE_BACKWARD_STAGES=2)
+    assert tool.parse_form("GRADIENTS_IN_BFLOAT16=('d_leaving', 'd_U'); STATE_BACKWARD_STAGES=1") == dict(
+        GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U"), STATE_BACKWARD_STAGES=1)
     assert tool.parse_form("") == {}
     with pytest.raises(ValueError, match="--variant: expected NAME=VALUE, received 'STATE_BACKWARD_STAGES'"):
         tool.parse_form("STATE_BACKWARD_STAGES")

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
-                      _load_chunk_matrix_stored, _sequence_chunks, _split_dot, _table, register_cap, value_block)
+from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix, _sequence_chunks,
+                      _table, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -44,31 +44,19 @@ STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
 # Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
-# ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers. Timed at 2 (H200,
-# 2026-12-05): forward+backward at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (240 registers, no
-# spills), results bit-identical to the loop without loads ahead at 64 value columns; not yet
-# run at 16 and 32 value columns on a GPU (Triton 3.6 built other forms of this loop wrong at
-# 32), so not the default until it is. At K = 128 it lost: one block of 128 key rows takes 120.5
-# KiB of shared memory (one program a multiprocessor: 8.554 -> 9.215 ms at B=8 T=4096 H=16),
-# two blocks of 64 spill 516 B (8.656).
-STATE_BACKWARD_STAGES = 1  # 2 is the form timed; checked at 64 value columns only so far
+# ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers. H200: forward+backward
+# at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (2026-12-05) and 7.586 -> 7.547 (2026-12-05, a
+# later run), results bit-identical to the loop without loads ahead at 16, 32 and 64 value
+# columns, K = 48 and 64, packed sequences too (bench/RESULTS.md). At K = 128 it lost: one block of
+# 128 key rows takes 120.5 KiB of shared memory (one program a multiprocessor: 8.554 -> 9.215 ms
+# at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
+STATE_BACKWARD_STAGES = 2
 STATE_BACKWARD_MAX_STAGED_K = 64
-# Operands rounded to bfloat16 in the reverse pass's products where qd, kd, Wk and dO are bfloat16,
-# as flash-linear-attention's reverse pass rounds them: "dU" (Wk^T dU on Wk as stored, and qd^T dO
-# then on both as stored, exact: no operand of the state's update goes through shared memory
-# transposed as TF32's must), "dS" (kd dS on kd as stored), "P" (P^T dO on dO as stored: with all
-# three, no TF32 product is left in the pass; sm_90a at K = V = 128, 814 instructions a chunk
-# against 1,224, at K = V = 64 569 against 853). Under the interpreter (six bf16 draws at the check
-# shapes of bench/triton_h200.py): rounding dU left every error as it was; rounding dS moved db's
-# by -27% to +183% (2.88e-3 -> 8.15e-3 at one draw).
-STATE_BACKWARD_ROUNDED: tuple[str, ...] = ()
-# kd dS on kd as stored and dS as the sum of two bfloat16 parts (exact products, dS within 2^-16),
-# where qd, kd, Wk and dO are bfloat16: the bfloat16 operands of "dS" without its rounding.
-STATE_BACKWARD_SPLIT_DS = False
-# Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands (dS, dU and
-# P split in two parts) faulted without loads ahead; the loads a chunk ahead gave non-finite
-# float32 results (float32 saved buffers) and, with split products at 32 value columns, a wrong
-# bfloat16 gradient (Triton 3.6).
+# Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands, as
+# flash-linear-attention's pass has them (dU, P and the state's gradient rounded to bfloat16, in
+# any combination, or dS split in two bfloat16 parts) ended in an illegal memory access (Triton
+# 3.6), with or without loads ahead; the loads a chunk ahead on float32 saved buffers gave
+# non-finite results; L2 prefetches of the next chunk (``prefetch.global.L2``) made it slower.
 
 
 @triton.jit
@@ -113,26 +101,15 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr, ROUNDED: tl.constexpr, SPLIT: tl.constexpr):
-    """``dU + kd dS`` for one block of key columns of kd (as stored) and rows of dS: widened to
-    float32, or on kd as stored with dS rounded to bfloat16 (``ROUNDED``) or as the sum of two
-    bfloat16 parts (``SPLIT``: two exact products)."""
-    if ROUNDED:
-        return tl.dot(kd_tile, d_state.to(tl.bfloat16), dU)
-    if SPLIT:
-        return _split_dot(kd_tile, d_state, dU)
+def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr):
+    """``dU + kd dS`` for one block of key columns of kd (as stored, widened) and rows of dS."""
     return tl.dot(kd_tile.to(tl.float32), d_state, dU, input_precision=DOT)
 
 
 @triton.jit
-def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, d_stored, scale, dU, DOT: tl.constexpr,
-                       ROUNDED: tl.constexpr):
+def _entering_gradient(d_state, decay, qd_tile, Wk_tile, d_out, dU, DOT: tl.constexpr):
     """Key rows of the gradient of the state entering a chunk: ``gamma dS + qd^T dO - Wk^T dU``
-    (``d_out``: dO scaled, float32; ``d_stored``: dO as stored). With ``ROUNDED``, qd^T dO on
-    both as stored (bfloat16: exact) and Wk^T dU on dU rounded to bfloat16."""
-    if ROUNDED:
-        return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile), d_stored) * scale
-                - tl.dot(tl.trans(Wk_tile), dU.to(tl.bfloat16)))
+    (``d_out``: dO scaled, float32)."""
     return (d_state * decay[:, None] + tl.dot(tl.trans(qd_tile.to(tl.float32)), d_out, input_precision=DOT)
             - tl.dot(tl.trans(Wk_tile.to(tl.float32)), dU, input_precision=DOT))
 
@@ -144,8 +121,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, ROUND_DS: tl.constexpr, SPLIT_DS: tl.constexpr, ROUND_DU: tl.constexpr,
-    ROUND_P: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -180,28 +156,21 @@ def _state_backward_kernel(
         leaving = d_leaving + chunk * K * V
         _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_stored = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
-        d_out = d_stored.to(tl.float32) * scale
-        if ROUND_P:
-            P_tile = _load_chunk_matrix_stored(_chunk_matrix(P, chunk)).to(tl.bfloat16)
-        else:
-            P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
+        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+        P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
             kd1 = _key_columns(kd, row0, 1, KB, K)
         if BLOCKS > 2:
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
-        if ROUND_P:
-            dU = tl.dot(tl.trans(P_tile), d_stored) * scale
-        else:
-            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = _add_kd_times_dS(kd0, d0, dU, DOT, ROUND_DS, SPLIT_DS)
+        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+        dU = _add_kd_times_dS(kd0, d0, dU, DOT)
         if BLOCKS > 1:
-            dU = _add_kd_times_dS(kd1, d1, dU, DOT, ROUND_DS, SPLIT_DS)
+            dU = _add_kd_times_dS(kd1, d1, dU, DOT)
         if BLOCKS > 2:
-            dU = _add_kd_times_dS(kd2, d2, dU, DOT, ROUND_DS, SPLIT_DS)
-            dU = _add_kd_times_dS(kd3, d3, dU, DOT, ROUND_DS, SPLIT_DS)
+            dU = _add_kd_times_dS(kd2, d2, dU, DOT)
+            dU = _add_kd_times_dS(kd3, d3, dU, DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
         qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -209,16 +178,12 @@ def _state_backward_kernel(
         if BLOCKS > 2:
             qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
             qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, d_stored, scale,
-                                    dU, DOT, ROUND_DU)
+        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
         if BLOCKS > 1:
-            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, d_stored, scale,
-                                    dU, DOT, ROUND_DU)
+            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
         if BLOCKS > 2:
-            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, d_stored, scale,
-                                    dU, DOT, ROUND_DU)
-            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, d_stored, scale,
-                                    dU, DOT, ROUND_DU)
+            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
+            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
     if STORE_INITIAL:
         _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
 
@@ -239,7 +204,6 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16),
-        **state_backward_rounding(qd.dtype == kd.dtype == Wk.dtype == d_o.dtype == torch.bfloat16),
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
@@ -250,19 +214,6 @@ def state_backward_stages(K: int, N: int, bfloat16: bool) -> int:
     H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` (above, it was slower) and
     over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead)."""
     return STATE_BACKWARD_STAGES if bfloat16 and K <= STATE_BACKWARD_MAX_STAGED_K and N > 1 else 1
-
-
-def state_backward_rounding(bfloat16: bool) -> dict:
-    """The reverse pass's ``ROUND_DS``, ``SPLIT_DS``, ``ROUND_DU`` and ``ROUND_P`` from
-    ``STATE_BACKWARD_ROUNDED`` and ``STATE_BACKWARD_SPLIT_DS``, for bfloat16 saved buffers and dO
-    (``bfloat16``; otherwise every product widens its operands to float32)."""
-    if not set(STATE_BACKWARD_ROUNDED) <= {"dS", "dU", "P"}:
-        raise ValueError(f"STATE_BACKWARD_ROUNDED: expected names among 'dS', 'dU' and 'P', received {STATE_BACKWARD_ROUNDED!r}")
-    if STATE_BACKWARD_SPLIT_DS and "dS" in STATE_BACKWARD_ROUNDED:
-        raise ValueError("STATE_BACKWARD_SPLIT_DS: expected False with 'dS' in STATE_BACKWARD_ROUNDED (dS is either "
-                         "rounded or split), received True")
-    return dict(ROUND_DS=bfloat16 and "dS" in STATE_BACKWARD_ROUNDED, SPLIT_DS=bfloat16 and STATE_BACKWARD_SPLIT_DS,
-                ROUND_DU=bfloat16 and "dU" in STATE_BACKWARD_ROUNDED, ROUND_P=bfloat16 and "P" in STATE_BACKWARD_ROUNDED)
 
 
 def state_backward_key_block(K: int) -> int:

@@ -62,10 +62,6 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # The intra-forward launch over the heads in reverse order, so that it starts on the q, k, b and g
 # the diagonal launch read last (still in L2); untimed.
 INTRA_FORWARD_HEADS_REVERSED = False
-# The diagonal tiles made by the intra-forward launch, each program's four sub-blocks in turn
-# before its key loop ("before") or after it ("after"), instead of by a launch of their own (None):
-# q, k, b and g read from DRAM once; untimed.
-DIAGONAL_IN_INTRA_FORWARD: str | None = None
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -519,8 +515,7 @@ def _intra_forward_kernel(
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
-    HEADS_REVERSED: tl.constexpr, DIAGONAL: tl.constexpr, DIAGONAL_BK: tl.constexpr,
-    DIAGONAL_STAGES: tl.constexpr,
+    HEADS_REVERSED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -542,23 +537,11 @@ def _intra_forward_kernel(
     HK = H * K
     key_base = i_b * T * HK + i_h * K  # + t * H * K + column
     chunk = i_bh * N + i_n
-    if DIAGONAL == 1:  # the diagonal tiles here too (no diagonal launch), before the key loop
-        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES)
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
         chunk, K, BK, DOT, STAGES)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
-    if DIAGONAL == 2:  # or after it
-        _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K, DIAGONAL_BK, DOT, DIAGONAL_STAGES)
-
-
-@triton.jit
-def _diagonal_tiles(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, HK, K: tl.constexpr, BK: tl.constexpr,
-                    DOT: tl.constexpr, STAGES: tl.constexpr):
-    """The four diagonal tiles of one chunk's P and A, sub-block by sub-block."""
-    for I in range(4):
-        _diagonal_tile(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, I, HK, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -827,16 +810,6 @@ def diagonal_key_block(K: int) -> int:
     return min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
 
 
-def diagonal_phase() -> int:
-    """The intra-forward launch's ``DIAGONAL``: 0 (the diagonal launch makes the diagonal tiles),
-    1 (before its key loop) or 2 (after), from ``DIAGONAL_IN_INTRA_FORWARD``."""
-    phases = {None: 0, "before": 1, "after": 2}
-    if DIAGONAL_IN_INTRA_FORWARD not in phases:
-        raise ValueError(f"DIAGONAL_IN_INTRA_FORWARD: expected None, 'before' or 'after', received "
-                         f"{DIAGONAL_IN_INTRA_FORWARD!r}")
-    return phases[DIAGONAL_IN_INTRA_FORWARD]
-
-
 def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and A with the decays, X,
     then the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
@@ -854,9 +827,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     # scratch buffer (A rounded to bfloat16 before the inverse would cost accuracy the rounding of
     # X alone does not).
     A = X if X.dtype == torch.float32 else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-    phase = diagonal_phase()
-    if phase == 0:
-        diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
+    diagonal(q, k, g, b, P, A, dot_precision, chunk_table)
     # b k exp(G) goes into Wk's own buffer when it is float32 (Wk = X bkd is formed in place), or
     # with DECAYED_ERASE_KEYS_IN_WK, else into a float32 scratch buffer dropped after the WY launch.
     in_place = Wk.dtype == torch.float32 or DECAYED_ERASE_KEYS_IN_WK
@@ -865,8 +836,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED, DIAGONAL=phase,
-        DIAGONAL_BK=diagonal_key_block(K), DIAGONAL_STAGES=DIAGONAL_STAGES,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED,
         num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
