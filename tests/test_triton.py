@@ -863,6 +863,37 @@ def test_state_pass_widens_its_products_without_loads_ahead():
             assert not forward.state_split_products(False, forward.state_stages(BK, N))
 
 
+def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
+    """``STATE_FORWARD_ROUNDED_STATE``: ``Wk S`` on the state rounded to bfloat16 in the state
+    pass's split form (a spy checks that it reached the kernel, and only there). U and o move
+    (by about 1e-4 of their norms: one rounding of S), the final state barely; every error
+    against the spec stays within 10% (plus 1e-4) of the default's (several chunks, a hard
+    reset in one head)."""
+    from gdn2.torch.triton import forward
+
+    case = _rounded_case(make_case(1, 200, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0)), torch.bfloat16)
+    case["inputs"]["g"][0, 90, 1] = -np.inf
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    spy = _LaunchSpy(forward._state_forward_kernel)
+    monkeypatch.setattr(forward, "_state_forward_kernel", spy)
+    runs, errors = [], []
+    for rounded in (False, True):
+        monkeypatch.setattr(forward, "STATE_FORWARD_ROUNDED_STATE", rounded)
+        spy.launches.clear()
+        runs.append(kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None))
+        errors.append(worst_error(run_torch(case, "bfloat16", path="kernel"), case["expected"])[2])
+        split = [launch["ROUNDED_STATE"] for launch in spy.launches if launch["SPLIT"]]
+        assert split and set(split) == {rounded}
+        assert not any(launch["ROUNDED_STATE"] for launch in spy.launches if not launch["SPLIT"])
+    saved = dict(zip(("o", "final_state") + kernel.SAVED, range(len(runs[0]))))
+    for name in ("o", "U", "final_state"):
+        exact, rounded = runs[0][saved[name]].double(), runs[1][saved[name]].double()
+        difference = (rounded - exact).norm() / exact.norm()
+        assert 0 < difference < 1e-3, (name, difference.item())
+    for name, error in errors[1].items():
+        assert error <= 1.1 * errors[0][name] + 1e-4, (seed, name, error, errors[0][name])
+
+
 def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
     """With its loads ahead on (``STATE_BACKWARD_STAGES``), the reverse state pass loads a chunk
     ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with

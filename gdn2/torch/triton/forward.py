@@ -76,6 +76,10 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
+# With the state pass's split products, ``Wk S`` on the state rounded to bfloat16 (one product, as
+# flash-linear-attention's pass has it) in place of the state split in two parts; the update
+# ``kd^T U`` stays split (on a rounded U the final state's error was 3-8x). Untimed.
+STATE_FORWARD_ROUNDED_STATE = False
 # b k exp(G) written into Wk's own buffer when Wk is bfloat16 (one more rounding, half the bytes
 # of the float32 scratch): no faster (with Uw and U in bfloat16, 1.975 against 1.972 ms forward).
 DECAYED_ERASE_KEYS_IN_WK = False
@@ -857,7 +861,7 @@ def _state_forward_kernel(
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, ROUNDED_STATE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -885,7 +889,10 @@ def _state_forward_kernel(
         if SPLIT:  # Wk and kd as stored (bfloat16), the state and U split (_split_dot)
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-            U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
+            if ROUNDED_STATE:  # Wk S on S rounded to bfloat16: one product
+                U -= tl.dot(Wk_tile, state.to(tl.bfloat16))
+            else:
+                U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
             tl.store(U_out + values, U.to(U_out.dtype.element_ty), mask=v_ok[None, :])
             # the state update on U as computed, not as saved: on a bfloat16 U as saved, one
             # product, the final state's error was 3-8x, o's the same (bench/RESULTS.md)
@@ -951,6 +958,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
     stages = state_stages(BK, N)
+    split = state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
@@ -958,7 +966,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
-        SPLIT=state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE, num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
