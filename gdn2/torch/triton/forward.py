@@ -316,19 +316,12 @@ def _diagonal_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     chunk_first, end = _chunk_span(chunk_table, i_n, T, PACKED)
-    _diagonal_tile(q, k, g, b, P_out, A_out, i_b * T * H * K + i_h * K, i_bh * N + i_n, chunk_first, end, I, H * K, K,
-                   BK, DOT, STAGES)
-
-
-@triton.jit
-def _diagonal_tile(q, k, g, b, P_out, A_out, key_base, chunk, t0, end, I, HK, K: tl.constexpr, BK: tl.constexpr,
-                   DOT: tl.constexpr, STAGES: tl.constexpr):
-    """Diagonal tile I of one chunk's P and A (``key_base``: the sequence and head's offset in the
-    inputs; ``t0``: the chunk's first token)."""
+    key_base = i_b * T * H * K + i_h * K  # the sequence and head's offset in the inputs
+    chunk = i_bh * N + i_n
     tile = _tile_entry(I, I, 0, 0)  # the diagonal tile's first entry in its chunk's matrix
     _diagonal_by_groups(q + key_base, k + key_base, g + key_base, b + key_base,
                         _chunk_matrix(P_out, chunk) + tile, _chunk_matrix(A_out, chunk) + tile,
-                        t0 + I * 16, end, HK, K, BK, DOT, STAGES)
+                        chunk_first + I * 16, end, H * K, K, BK, DOT, STAGES)
 
 
 @triton.jit
@@ -949,6 +942,13 @@ def state_split_products(bfloat16: bool, stages: int) -> bool:
     return STATE_BFLOAT16_PRODUCTS and bfloat16 and stages > 1
 
 
+def state_products(bfloat16: bool, stages: int) -> dict:
+    """The state pass's ``SPLIT`` (``state_split_products``) and ``ROUNDED_STATE`` (with the split
+    products only: ``STATE_FORWARD_ROUNDED_STATE``)."""
+    split = state_split_products(bfloat16, stages)
+    return dict(SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE)
+
+
 def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
                   sequence_chunks=None) -> None:
     """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``), one
@@ -958,7 +958,6 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
     stages = state_stages(BK, N)
-    split = state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, gamma, first_bad,
         initial_state if initial_state is not None else states,
@@ -966,7 +965,7 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
-        SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE, num_warps=STATE_WARPS, num_stages=1,
+        **state_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
