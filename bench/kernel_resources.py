@@ -28,6 +28,7 @@ import tempfile
 from collections import Counter
 from typing import NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -358,7 +359,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     heads = B * H
     key_blocks_of = lambda block: -(-K // block)  # noqa: E731
     def saved(name):  # the dtype of a saved buffer, as the operator allocates it
-        return "bf16" if inp == "bf16" and name in operator.SAVED_IN_BFLOAT16 else f32
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[inp]
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: f32}[
+            operator._saved_dtypes(dtype)[operator.SAVED.index(name)]]
 
     def gradient(name):  # the dtype of the reverse pass's d_leaving or d_U
         return "bf16" if inp == "bf16" and name in operator.GRADIENTS_IN_BFLOAT16 else f32
@@ -372,8 +375,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._intra_forward_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, P_out=saved("P"), A_out=f32, qd_out=saved("qd"),
              kd_out=saved("kd"), bkd_out=bkd, gamma_out=f32, key_first_bad_out="i32", chunk_table="i32"), {},
-        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES,
-             HEADS_REVERSED=fk.INTRA_FORWARD_HEADS_REVERSED),
+        dict(K=K, BK=min(fk.INTRA_FORWARD_KEY_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=fk.INTRA_FORWARD_STAGES),
         fk.INTRA_FORWARD_WARPS,
     )
     LOOP_TRIPS["intra_forward"] = [key_blocks_of(min(fk.INTRA_FORWARD_KEY_BLOCK, bk))]
@@ -387,8 +389,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     out["wy"] = (
         fk._wy_kernel,
         dict(v=inp, w=inp, X=saved("inverse"), bkd=bkd, key_first_bad="i32", Wk_out=saved("Wk"), Uw_out=saved("Uw"),
-             first_bad_out="i32", chunk_table="i32"),
-        {}, wy_blocks, fk.WY_WARPS,
+             Uw_scale_out=f32, first_bad_out="i32", chunk_table="i32"),
+        {}, dict(wy_blocks, SCALED=saved("Uw") == "fp16"), fk.WY_WARPS,
     )
     LOOP_TRIPS["wy"] = [key_blocks_of(wy_blocks["BK"]), -(-V // wy_blocks["BV"])]
     PROGRAMS["wy"] = chunks * heads
@@ -403,11 +405,11 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     state_stages = fk.state_stages(bk, chunks)
     out["state_forward"] = (
         fk._state_forward_kernel,
-        dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), gamma=f32, first_bad="i32", initial_state=f32,
+        dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), Uw_scale=f32, gamma=f32, first_bad="i32", initial_state=f32,
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
                  PACKED=packed, STAGES=state_stages,
-                 **fk.state_products(saved("Wk") == saved("kd") == "bf16", state_stages)),
+                 SPLIT=fk.state_split_products(saved("Wk") == saved("kd") == "bf16", state_stages)),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]
@@ -448,7 +450,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,
-        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), inverse=saved("inverse"), U=saved("U"), d_o=inp,
+        dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), Uw_scale=f32, inverse=saved("inverse"), U=saved("U"), d_o=inp,
              d_U=gradient("d_U"),
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES, STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS),

@@ -99,9 +99,6 @@ VARIANTS: list[dict] = [
     # the reverse state pass without loads ahead at K <= 64 (the default before 2026-12-05's fifth
     # run: 7.586 against 7.547 ms forward+backward at the third shape, bit-identical)
     dict(STATE_BACKWARD_STAGES=1),
-    # the intra-forward launch over the heads in reverse order: it starts on the inputs the diagonal
-    # launch read last (the H200's 50 MB L2 holds the last ~40 MB of q, k, b and g)
-    dict(INTRA_FORWARD_HEADS_REVERSED=True),
     # the default before 2026-12-05's run: d_leaving in float32 and the in-chunk backward's
     # products widened (H200: forward+backward 8.327 / 7.952 ms against the default's 8.027 /
     # 7.720 at the first and third shapes); d_U in bfloat16 too (every contraction product on
@@ -110,15 +107,18 @@ VARIANTS: list[dict] = [
     dict(GRADIENTS_IN_BFLOAT16=(), INTRA_BACKWARD_BFLOAT16_PRODUCTS=False),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
     dict(GRADIENTS_IN_BFLOAT16=()),
-    # the state forward's Wk S on the state rounded to bfloat16 (one product in place of two; sm_90a:
-    # 803 instructions a chunk against 1,110 at K = V = 128, 408 against 481 at K = V = 64)
-    dict(STATE_FORWARD_ROUNDED_STATE=True),
+    # Uw saved in float32 (the default before UW_IN_FLOAT16: float16 over its largest magnitude per
+    # chunk and value column)
+    dict(UW_IN_FLOAT16=False),
     # Tried on the H200 (2026-12-05) and removed: the reverse pass at 8 warps capped at 128
     # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
     # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory
     # access); the reverse pass's products on bfloat16 operands (dU, P and dS rounded in any
     # combination: illegal memory accesses); the diagonal tiles made by the intra-forward launch
     # (forward 2.57 against 1.87 ms); L2 prefetches in the reverse pass (slower). Triton 3.6.
+    # Tried on an H100 (2026-12-05) and removed, no faster: the state forward's Wk S on the state
+    # rounded to bfloat16 (2.088 / 2.087 against 2.085 / 2.087 ms forward, first shape, two
+    # processes); the intra-forward launch over the heads in reverse order (2.076 / 2.083).
 ]
 
 

@@ -92,9 +92,9 @@ def unsupported_reason(q, k, v, g, b, w, initial_state=None, chunk_size: int = 6
 # The kernels run inside PyTorch custom operators (``gdn2::triton_forward``,
 # ``gdn2::triton_backward``) with their autograd and fake (shape-only) implementations registered,
 # so that torch.compile sees two opaque operators instead of breaking its graph at each launch.
-SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
+SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "Uw_scale", "P", "inverse", "states", "U")
 # Saved buffers kept in bfloat16 when the inputs are bfloat16 (half the bytes written and read);
-# the others stay float32. Any of SAVED but gamma may be named here: the kernels compute in float32
+# the others stay float32. Any of SAVED but gamma and Uw_scale may be named here: the kernels compute in float32
 # and round on the store; a product whose operands are both bfloat16 as saved runs on them as they
 # are (exact), the others widen what they read to float32. Measured against the float64 spec on
 # bfloat16 inputs, the same draws for every choice (bench/saved_precision.py, bench/RESULTS.md):
@@ -103,9 +103,15 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "P", "inverse", "states", "U")
 # 4.40e-3) and leaves the states and gradients as they were (the state pass updates the state on
 # U before its rounding); it took the forward from 2.054 / 2.302 / 2.149 ms to 2.005 / 2.269 /
 # 2.081 at the three shapes of bench/triton_h200.py (H200). Uw raises the worst gradient's error
-# (5.0e-3 -> 6.1e-3, db). float16 inputs keep every buffer in float32 (a state entry may pass
-# float16's 65504).
+# (5.0e-3 -> 6.1e-3, db; over 18 draws beside fla, the largest 9.60e-3 against fla's 8.99e-3).
+# float16 inputs keep every buffer in float32 (a state entry may pass float16's 65504).
 SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
+# With bfloat16 inputs and Uw not named above, Uw saved in float16 over its largest magnitude per
+# chunk and value column (``Uw_scale``, float32; 1 where Uw is not float16): half the bytes of
+# float32 whatever Uw's range, rounded to 2^-11 of each value (of the column's largest below 2^-14
+# of it, float16's subnormals) where bfloat16 rounds to 2^-8. Errors against the spec the same as
+# float32's to two digits over 18 draws (bench/RESULTS.md).
+UW_IN_FLOAT16 = True
 
 
 # The backward's own buffers kept in bfloat16 when the inputs are bfloat16: "d_leaving" (the
@@ -131,16 +137,23 @@ def _gradient_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def _saved_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
     """The dtype of each saved buffer (order of ``SAVED``) for inputs of ``dtype``."""
-    return [torch.bfloat16 if dtype == torch.bfloat16 and name in SAVED_IN_BFLOAT16 else torch.float32
-            for name in SAVED]
+
+    def saved_dtype(name):
+        if dtype != torch.bfloat16:
+            return torch.float32
+        if name in SAVED_IN_BFLOAT16:
+            return torch.bfloat16
+        return torch.float16 if name == "Uw" and UW_IN_FLOAT16 else torch.float32
+
+    return [saved_dtype(name) for name in SAVED]
 
 
 def _saved_shapes(B: int, N: int, H: int, K: int, V: int) -> list[tuple[int, ...]]:
     """Shapes of the forward's saved buffers for N chunks per batch row, in the order of ``SAVED``
     (padded chunks)."""
     rows = N * CHUNK
-    return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V)] + [(B, H, N, TILES, 16, 16)] * 2 + [
-        (B, H, N, K, V), (B, H, rows, V)]
+    return [(B, H, rows, K)] * 2 + [(B, H, N, K), (B, H, rows, K), (B, H, rows, V), (B, H, N, V)] + [
+        (B, H, N, TILES, 16, 16)] * 2 + [(B, H, N, K, V), (B, H, rows, V)]
 
 
 def _chunks_and_rows(q, chunk_table, sequence_chunks) -> tuple[int, int]:
@@ -167,18 +180,19 @@ def _forward(
     precision = _dot_precision(q.device)
     if q.device.type == "cpu":
         correct_interpreter()
-    qd, kd, gamma, Wk, Uw, P, inverse, states, U = (
+    qd, kd, gamma, Wk, Uw, Uw_scale, P, inverse, states, U = (
         torch.empty(shape, dtype=dtype, device=q.device)
         for shape, dtype in zip(_saved_shapes(B, N, H, K, V), _saved_dtypes(q.dtype))
     )
     first_bad = torch.empty(B, H, N, V, dtype=torch.int32, device=q.device)
-    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, inverse, first_bad, precision, chunk_table)
+    intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, Uw_scale, gamma, P, inverse, first_bad, precision, chunk_table)
     initial = None if initial_state is None else initial_state.contiguous()
     final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=q.device)
-    state_forward(Wk, kd, Uw, gamma, first_bad, initial, states, U, final_state, precision, sequence_chunks)
+    state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial, states, U, final_state, precision,
+                  sequence_chunks)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     output(qd, P, states, U, first_bad, o, scale, precision, chunk_table)
-    return [o, final_state, qd, kd, gamma, Wk, Uw, P, inverse, states, U]
+    return [o, final_state, qd, kd, gamma, Wk, Uw, Uw_scale, P, inverse, states, U]
 
 
 @_forward.register_fake
@@ -199,7 +213,7 @@ def _backward(
     chunk_table: torch.Tensor | None, sequence_chunks: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv, dg, db, dw, d_initial]`` (d_initial empty without an initial state)."""
-    qd, kd, gamma, Wk, Uw, P, inverse, states, U = saved
+    qd, kd, gamma, Wk, Uw, Uw_scale, P, inverse, states, U = saved
     # The kernels index inputs and gradients as contiguous [B, T, H, D]; autograd hands back the
     # inputs as they were given (a transposed or sliced view is not contiguous).
     q, k, v, g, b, w = (x.contiguous() for x in (q, k, v, g, b, w))
@@ -219,8 +233,8 @@ def _backward(
     # Each buffer is dropped once its last reader ran, so that the gradients reuse its memory.
     contractions = intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale, precision, chunk_table)
     del d_leaving
-    dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, contractions[2], scale, precision,
-                                             chunk_table)
+    dv, dw, d_A, d_P = intra_backward_values(v, w, Wk, Uw, Uw_scale, inverse, U, d_o, d_U, contractions[2], scale,
+                                             precision, chunk_table)
     del d_U
     dq, dk, dg, db = intra_backward_keys(q, k, g, b, *contractions, d_A, d_P, gamma, precision, chunk_table)
     return [dq, dk, dv, dg, db, dw, d_initial]

@@ -333,7 +333,7 @@ def _intra_backward_contract_kernel(
 @triton.jit
 def _intra_backward_values_kernel(
     v, w,  # inputs [B, T, H, V]
-    Wk, Uw, inverse, U, d_o, d_U, d_bkd,  # saved / from the earlier launches
+    Wk, Uw, Uw_scale, inverse, U, d_o, d_U, d_bkd,  # saved / from the earlier launches
     d_A_scratch, d_P_scratch,  # [B, H, N, C, C] float32, written here
     dv, dw,  # outputs, shapes and dtypes of v and w
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
@@ -363,7 +363,8 @@ def _intra_backward_values_kernel(
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
         U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        column_scale = tl.load(Uw_scale + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=1.0)
+        Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32) * column_scale[None, :]
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         value_mask = row_ok[:, None] & v_ok[None, :]
         d_out = tl.load(d_o + value_offsets, mask=value_mask, other=0.0)
@@ -661,7 +662,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     return d_qd, d_kd, d_bkd, d_gamma
 
 
-def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: float, dot_precision: str,
+def intra_backward_values(v, w, Wk, Uw, Uw_scale, inverse, U, d_o, d_U, d_bkd, scale: float, dot_precision: str,
                           chunk_table=None):
     """Launch the value side; returns ``(dv, dw, d_A, d_P)`` (d_A, d_P ``[B, H, N, 64, 64]``)."""
     B, T, H, V = v.shape
@@ -670,7 +671,8 @@ def intra_backward_values(v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, scale: floa
     dv, dw = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (v, w))  # contiguous
     d_A, d_P = (inverse.new_empty(inverse.shape[:3] + (CHUNK, CHUNK), dtype=torch.float32) for _ in range(2))
     _intra_backward_values_kernel[(N, B * H)](
-        v, w, Wk, Uw, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K, V, N,
+        v, w, Wk, Uw, Uw_scale, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K,
+        V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
         STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
         **register_cap("intra_backward_values"),

@@ -59,9 +59,6 @@ DIAGONAL_KEY_BLOCK = 16  # key columns per step of the diagonal launch's key loo
 WY_WARPS = 4
 WY_BLOCK = 32  # against 64: 2.118 / 2.140 and 2.297 / 2.329 ms forward at the first and third shapes
 INTRA_FORWARD_KEY_BLOCK = 16
-# The intra-forward launch over the heads in reverse order, so that it starts on the q, k, b and g
-# the diagonal launch read last (still in L2); untimed.
-INTRA_FORWARD_HEADS_REVERSED = False
 # Key blocks whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
@@ -76,10 +73,6 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
-# With the state pass's split products, ``Wk S`` on the state rounded to bfloat16 (one product, as
-# flash-linear-attention's pass has it) in place of the state split in two parts; the update
-# ``kd^T U`` stays split (on a rounded U the final state's error was 3-8x). Untimed.
-STATE_FORWARD_ROUNDED_STATE = False
 # b k exp(G) written into Wk's own buffer when Wk is bfloat16 (one more rounding, half the bytes
 # of the float32 scratch): no faster (with Uw and U in bfloat16, 1.975 against 1.972 ms forward).
 DECAYED_ERASE_KEYS_IN_WK = False
@@ -512,7 +505,6 @@ def _intra_forward_kernel(
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
     BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
-    HEADS_REVERSED: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -526,8 +518,6 @@ def _intra_forward_kernel(
     NaN or +inf g: ``key_first_bad_out``)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    if HEADS_REVERSED:  # the heads the diagonal launch read last first (their inputs still in L2)
-        i_bh = tl.num_programs(1) - 1 - i_bh
     i_b = i_bh // H
     i_h = i_bh % H
     t0, end = _chunk_span(chunk_table, i_n, T, PACKED)
@@ -714,11 +704,13 @@ def _store_below(matrix, T10, T20, T21, T30, T31, T32):
 
 
 @triton.jit
-def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
-                    BV: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr):
+def _value_products(v, w, X_tile, Uw_out, Uw_scale_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
+                    BV: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr, SCALED: tl.constexpr):
     """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
-    chunk's first row) and, per value column, its first bad row (``first_bad_out`` at the chunk):
-    a non-finite v or w in that column, or ``first_key_bad``, whichever comes first."""
+    chunk's first row, ``Uw_scale_out`` and ``first_bad_out`` at the chunk) and, per value
+    column, its first bad row: a non-finite v or w in that column, or ``first_key_bad``,
+    whichever comes first. ``SCALED`` (Uw_out float16): each column stored over its largest
+    magnitude, which goes to ``Uw_scale_out`` (else 1), so that any Uw fits float16's range."""
     rows = tl.arange(0, 64)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -734,6 +726,13 @@ def _value_products(v, w, X_tile, Uw_out, first_bad_out, first_key_bad, t, row_o
             Uw = _split_dot(X_tile, _finite(w_raw) * _finite(v_raw), tl.zeros((64, BV), dtype=tl.float32))
         else:
             Uw = tl.dot(X_tile, _finite(w_raw) * _finite(v_raw), input_precision=DOT)
+        if SCALED:
+            largest = tl.max(tl.abs(Uw), 0)
+            column_scale = tl.where(largest > 0, largest, 1.0)
+            Uw = Uw / column_scale[None, :]
+        else:
+            column_scale = tl.full((BV,), 1.0, tl.float32)
+        tl.store(Uw_scale_out + cols, column_scale, mask=col_ok)
         out = rows[:, None] * V + cols[None, :]
         tl.store(Uw_out + out, Uw.to(Uw_out.dtype.element_ty), mask=(rows >= 0)[:, None] & col_ok[None, :])
 
@@ -746,11 +745,14 @@ def _wy_kernel(
     key_first_bad,  # [B, H, N] int32, from _intra_forward_kernel
     Wk_out,  # [B, H, N * 64, K]
     Uw_out,  # [B, H, N * 64, V]
+    Uw_scale_out,  # [B, H, N, V] float32
     first_bad_out,  # [B, H, N, V] int32: per value column, the chunk's first row with a bad input (64: none)
     chunk_table, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` as whole-chunk [64, 64] x
+    """The WY products of one chunk: ``Wk = X bkd`` and ``Uw = X (w v)`` (with ``SCALED``, over
+    its largest magnitude per column: ``_value_products``) as whole-chunk [64, 64] x
     [64, block] products, and first_bad: the key side's first bad row (screened by
     ``_intra_forward_kernel``) or a non-finite v or w (its own column), whichever comes first.
     ``bkd`` may be ``Wk_out``'s own buffer: each [64, BK] tile is whole in the product before any
@@ -784,7 +786,8 @@ def _wy_kernel(
         tl.store(Wk_out + out, Wk.to(Wk_out.dtype.element_ty), mask=out_ok)
     first_key_bad = tl.load(key_first_bad + i_bh * N + i_n)
     _value_products(v + i_b * T * H * V + i_h * V, w + i_b * T * H * V + i_h * V, X_tile, Uw_out,
-                    first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t, row_ok, H, V, BV, DOT, BFLOAT16_PRODUCTS)
+                    Uw_scale_out + (i_bh * N + i_n) * V, first_bad_out + (i_bh * N + i_n) * V, first_key_bad, t,
+                    row_ok, H, V, BV, DOT, BFLOAT16_PRODUCTS, SCALED)
 
 
 def diagonal(q, k, g, b, P, A, dot_precision: str, chunk_table=None) -> None:
@@ -807,14 +810,16 @@ def diagonal_key_block(K: int) -> int:
     return min(DIAGONAL_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
 
 
-def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_precision: str, chunk_table=None) -> None:
+def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, Uw_scale, gamma, P, X, first_bad, dot_precision: str,
+                  chunk_table=None) -> None:
     """Launch the in-chunk kernels: the diagonal tiles, the rest of P and A with the decays, X,
     then the WY products. Inputs ``[B, T, H, K|V]`` contiguous; outputs preallocated: ``qd, kd, Wk``
-    ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``gamma`` ``[B, H, N, K]``, ``P, X``
-    ``[B, H, N, 10, 16, 16]`` (``TILES``) and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and
-    value column, the first row with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X
-    may be bfloat16 (``SAVED_IN_BFLOAT16``): the kernels compute in float32 and round on the
-    store. With packed sequences, ``chunk_table`` (``[chunks, 2]`` int32: first token, length)
+    ``[B, H, N * 64, K]``, ``Uw`` ``[B, H, N * 64, V]``, ``Uw_scale`` ``[B, H, N, V]`` float32 (Uw
+    stored is Uw over it), ``gamma`` ``[B, H, N, K]``, ``P, X`` ``[B, H, N, 10, 16, 16]``
+    (``TILES``) and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column, the first row
+    with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X may be
+    bfloat16 (``SAVED_IN_BFLOAT16``), Uw float16 (scaled per chunk and value column: ``Uw_scale``,
+    else 1): the kernels compute in float32 and round on the store. With packed sequences, ``chunk_table`` (``[chunks, 2]`` int32: first token, length)
     lists the chunks, B is 1 and N the table's length."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -833,28 +838,28 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, gamma, P, X, first_bad, dot_
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, HEADS_REVERSED=INTRA_FORWARD_HEADS_REVERSED,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES,
         num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
                                   **register_cap("inverse"))
     _wy_kernel[(N, B * H)](
-        v, w, X, bkd, key_first_bad, Wk, Uw, first_bad, table, T, H, K, V, N,
+        v, w, X, bkd, key_first_bad, Wk, Uw, Uw_scale, first_bad, table, T, H, K, V, N,
         BK=min(WY_BLOCK, max(16, triton.next_power_of_2(K))), BV=min(WY_BLOCK, max(16, triton.next_power_of_2(V))),
         DOT=dot_precision, PACKED=packed,
         BFLOAT16_PRODUCTS=WY_BFLOAT16_PRODUCTS and X.dtype == bkd.dtype == torch.bfloat16,
-        num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
+        SCALED=Uw.dtype == torch.float16, num_warps=WY_WARPS, num_stages=1, **register_cap("wy"),
     )
 
 
 @triton.jit
 def _state_forward_kernel(
-    Wk, kd, Uw, gamma, first_bad,  # [B, H, N * 64, K | K | V], [B, H, N, K], [B, H, N, V] int32
+    Wk, kd, Uw, Uw_scale, gamma, first_bad,  # [B, H, N * 64, K | K | V], [B, H, N, V | K | V] (float32, int32)
     initial_state, states, U_out, final_state,  # [B, H, K, V], [B, H, N, K, V], [B, H, N * 64, V], [B, H, K, V]
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, ROUNDED_STATE: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -878,14 +883,12 @@ def _state_forward_kernel(
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-        U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        column_scale = tl.load(Uw_scale + (head * N + i_n) * V + cols_v, mask=v_ok, other=1.0)
+        U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32) * column_scale[None, :]
         if SPLIT:  # Wk and kd as stored (bfloat16), the state and U split (_split_dot)
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-            if ROUNDED_STATE:  # Wk S on S rounded to bfloat16: one product
-                U -= tl.dot(Wk_tile, state.to(tl.bfloat16))
-            else:
-                U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
+            U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
             tl.store(U_out + values, U.to(U_out.dtype.element_ty), mask=v_ok[None, :])
             # the state update on U as computed, not as saved: on a bfloat16 U as saved, one
             # product, the final state's error was 3-8x, o's the same (bench/RESULTS.md)
@@ -942,14 +945,7 @@ def state_split_products(bfloat16: bool, stages: int) -> bool:
     return STATE_BFLOAT16_PRODUCTS and bfloat16 and stages > 1
 
 
-def state_products(bfloat16: bool, stages: int) -> dict:
-    """The state pass's ``SPLIT`` (``state_split_products``) and ``ROUNDED_STATE`` (with the split
-    products only: ``STATE_FORWARD_ROUNDED_STATE``)."""
-    split = state_split_products(bfloat16, stages)
-    return dict(SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE)
-
-
-def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
+def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
                   sequence_chunks=None) -> None:
     """Launch the sequential pass over chunks (writes ``states``, ``U`` and ``final_state``), one
     program per state row (batch row, or sequence with ``sequence_chunks``) and head."""
@@ -959,13 +955,13 @@ def state_forward(Wk, kd, Uw, gamma, first_bad, initial_state, states, U, final_
     BV = value_block(V, rows * H)
     stages = state_stages(BK, N)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
-        Wk, kd, Uw, gamma, first_bad,
+        Wk, kd, Uw, Uw_scale, gamma, first_bad,
         initial_state if initial_state is not None else states,
         states, U, final_state if final_state is not None else states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
-        **state_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
