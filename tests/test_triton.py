@@ -514,6 +514,38 @@ def test_h200_bench_repeatability(interpreter, monkeypatch):
     assert not result["repeatable"] and result["repeat_difference"] > 0
 
 
+def test_h200_bench_finds_the_launch_that_does_not_repeat(interpreter, monkeypatch):
+    """``bench/triton_h200.py``'s repeat checks on the CPU at a small size: each check and each
+    stage of ``launch_repeats`` repeats its bits on the kernel path, and a launch (or a function)
+    that changes its results between calls is named, with the stages before it clean."""
+    from pathlib import Path
+
+    from gdn2.torch.triton import backward
+    from tests.bench_scripts import load_bench
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = load_bench("triton_h200", "triton_h200_launch_repeats")
+    shape = (1, 70, 2, 16, 8)
+    found = bench.launch_repeats(shape, torch.float32, 3, runs=2, device="cpu")
+    assert found == dict(forward=[], state_backward=[], contract=[], values=[], keys=[])
+    errors = bench.check(bench.gdn2_kernel, shape + ((-3.0, 0.0),), torch.float32, 3, device="cpu", runs=2)
+    assert errors.pop("unrepeatable") == [] and max(errors.values()) <= 1e-4
+    calls = []
+    keys = backward.intra_backward_keys
+
+    def drifting_keys(*args):  # dk off by a different rounding on every call
+        calls.append(None)
+        dq, dk, dg, db = keys(*args)
+        return dq, dk * (1 + 1e-3 * len(calls)), dg, db
+
+    monkeypatch.setattr(backward, "intra_backward_keys", drifting_keys)  # as launch_repeats calls it
+    monkeypatch.setattr(kernel, "intra_backward_keys", drifting_keys)  # as the operator's backward does
+    found = bench.launch_repeats(shape, torch.float32, 3, runs=2, device="cpu")
+    assert found == dict(forward=[], state_backward=[], contract=[], values=[], keys=["dk"])
+    errors = bench.check(bench.gdn2_kernel, shape + ((-3.0, 0.0),), torch.float32, 3, device="cpu", runs=2)
+    assert errors["unrepeatable"] == ["dk"]
+
+
 def test_packed_input_reaches_the_kernels_unpadded(monkeypatch):
     """The dispatch hands packed input to the Triton backend as it is (the kernels take the
     offsets), not as a padded batch."""
