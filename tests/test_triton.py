@@ -136,6 +136,36 @@ def test_kernel_bfloat16_saved_buffers_widest(seed, interpreter, monkeypatch):
 
 
 @kernel_only
+def test_uw_in_float16_over_its_column_scale(seed, interpreter, monkeypatch):
+    """Uw saved in float16 over its largest magnitude per chunk and value column
+    (``UW_IN_FLOAT16``), on values far past float16's 65504 (v times 1e6, a hard reset, several
+    chunks, K != V): the saved Uw is float16 with each column's largest magnitude 1, times
+    ``Uw_scale`` it is the float32 Uw to float16's rounding, and every error against the spec
+    stays within 10% (plus 1e-4) of the float32 Uw's."""
+    case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    case["inputs"]["v"] *= 1e6
+    case["inputs"]["initial_state"] *= 1e6
+    case["inputs"]["g"][0, 70, 1] = -np.inf
+    case = _rounded_case(case, torch.bfloat16)
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    runs, errors = {}, {}
+    for in_float16 in (False, True):
+        monkeypatch.setattr(kernel, "UW_IN_FLOAT16", in_float16)
+        saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)[2:]
+        runs[in_float16] = dict(zip(kernel.SAVED, saved))
+        errors[in_float16] = worst_error(run_torch(case, "bfloat16", path="kernel"), case["expected"])[2]
+    wide, narrow = runs[False], runs[True]
+    assert wide["Uw"].dtype == torch.float32 and (wide["Uw_scale"] == 1).all()
+    assert narrow["Uw"].dtype == torch.float16 and narrow["Uw_scale"].max() > 1e5
+    largest = narrow["Uw"].float().abs().unflatten(2, (-1, 64)).amax(3)  # [B, H, N, V]
+    assert torch.equal(largest, torch.ones_like(largest))
+    column_scale = narrow["Uw_scale"].double().repeat_interleave(64, 2)  # per row of Uw
+    assert ((narrow["Uw"].double() * column_scale - wide["Uw"].double()).abs() <= 2 ** -11 * column_scale).all()
+    for name, error in errors[True].items():
+        assert error <= 1.1 * errors[False][name] + 1e-4, (seed, name, error, errors[False][name])
+
+
+@kernel_only
 def test_state_update_ignores_how_U_is_saved(seed, interpreter, monkeypatch):
     """U saved in bfloat16 or float32: the state pass updates the state on U as computed, so the
     chunk states and the final state are the same bit for bit, and the saved U is the float32 one
