@@ -453,7 +453,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(v=inp, w=inp, Wk=saved("Wk"), Uw=saved("Uw"), Uw_scale=f32, inverse=saved("inverse"), U=saved("U"), d_o=inp,
              d_U=gradient("d_U"),
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
-        dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES, STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS),
+        dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES, STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS,
+                                 WARPGROUP_BARRIER=bw.warpgroup_barrier(bw.INTRA_BACKWARD_WARPS)),
         bw.INTRA_BACKWARD_WARPS,
     )
     LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]

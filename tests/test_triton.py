@@ -187,6 +187,41 @@ def test_state_update_ignores_how_U_is_saved(seed, interpreter, monkeypatch):
     assert exact["U"].abs().max() > 0
 
 
+def test_warpgroup_barrier_only_where_triton_omits_it():
+    """The value launch's own barrier: at more than four warps with a Triton before 3.9 (whose
+    sm_90a builds store into shared memory after a warpgroup's wait without one), not otherwise."""
+    from gdn2.torch.triton.backward import warpgroup_barrier
+
+    assert warpgroup_barrier(8, "3.6.0") and warpgroup_barrier(8, "3.8.0") and warpgroup_barrier(16, "3.7.1")
+    assert not warpgroup_barrier(8, "3.9.0") and not warpgroup_barrier(8, "3.10.2") and not warpgroup_barrier(8, "4.0.0")
+    assert not warpgroup_barrier(4, "3.6.0") and not warpgroup_barrier(2, "3.6.0")
+
+
+@kernel_only
+def test_value_launch_barrier_changes_no_bit(seed, interpreter, monkeypatch):
+    """The value launch with and without its warpgroup barrier (``warpgroup_barrier``; a spy checks
+    that each form reached the kernel): every gradient the same bit for bit (bfloat16, several
+    chunks, K != V)."""
+    from gdn2.torch.triton import backward
+
+    case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    d_o = torch.randn(q.shape[:3] + v.shape[-1:], generator=generator).to(torch.bfloat16)
+    d_final = torch.randn(state.shape, generator=generator)
+    saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)[2:]
+    spy = _LaunchSpy(backward._intra_backward_values_kernel)
+    monkeypatch.setattr(backward, "_intra_backward_values_kernel", spy)
+    runs = []
+    for barrier in (False, True):
+        monkeypatch.setattr(backward, "warpgroup_barrier", lambda num_warps, version=None: barrier)
+        runs.append(kernel._backward(q, k, v, g, b, w, saved, d_o, d_final, 64 ** -0.5, True, None, None))
+    assert [launch["WARPGROUP_BARRIER"] for launch in spy.launches] == [False, True]
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+    assert all(x.abs().max() > 0 for x in runs[0])
+
+
 @kernel_only
 def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
     """The reverse pass's gradients of the leaving states and of U stored in bfloat16

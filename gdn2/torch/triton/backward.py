@@ -250,6 +250,17 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
 
 
+def warpgroup_barrier(num_warps: int, version: str | None = None) -> bool:
+    """Whether the value launch needs its own barrier after ``d(wv)``'s product: at more than four
+    warps (two warpgroups) with a Triton before 3.9. Those (3.6, 3.8 compiled for sm_90a) wait
+    for a warpgroup's own asynchronous products and then, without a barrier, store into shared
+    memory that the other warpgroup's products may still read (triton-lang/triton#11047, fixed in
+    #11056; Triton 3.9 puts a barrier there). On an H100 with Triton 3.6, float32 dk, dg and db
+    changed from call to call (bench/RESULTS.md). The barrier costs that loop its loads ahead."""
+    major, minor = (int(part) for part in (version or triton.__version__).split(".")[:2])
+    return num_warps > 4 and (major, minor) < (3, 9)
+
+
 @triton.jit
 def _with_key_block(K: tl.constexpr, BKB: tl.constexpr):
     """A program's place on grid axis 0, laid out with the key block fastest: ``(index, first key
@@ -338,7 +349,7 @@ def _intra_backward_values_kernel(
     dv, dw,  # outputs, shapes and dtypes of v and w
     chunk_table, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     BKB: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, STORED: tl.constexpr,
+    STAGES: tl.constexpr, STORED: tl.constexpr, WARPGROUP_BARRIER: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -373,6 +384,8 @@ def _intra_backward_values_kernel(
         else:
             d_P += tl.dot(d_out.to(tl.float32) * scale, tl.trans(U_tile.to(tl.float32)), input_precision=DOT)
         d_wv = tl.dot(tl.trans(inverse_tile), dU_tile, input_precision=DOT)
+        if WARPGROUP_BARRIER:  # before d(wv)'s layout change reuses what its product read (warpgroup_barrier)
+            tl.debug_barrier()
         v_tile = tl.load(v + value_offsets, mask=value_mask, other=0.0).to(tl.float32)
         w_tile = tl.load(w + value_offsets, mask=value_mask, other=0.0).to(tl.float32)
         tl.store(dw + value_offsets, (d_wv * v_tile).to(dw.dtype.element_ty), mask=value_mask)
@@ -674,7 +687,8 @@ def intra_backward_values(v, w, Wk, Uw, Uw_scale, inverse, U, d_o, d_U, d_bkd, s
         v, w, Wk, Uw, Uw_scale, inverse, U, d_o, d_U, d_bkd, d_A, d_P, dv, dw, _table(chunk_table, v), scale, T, H, K,
         V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS,
+        WARPGROUP_BARRIER=warpgroup_barrier(INTRA_BACKWARD_WARPS), num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
         **register_cap("intra_backward_values"),
     )
     return dv, dw, d_A, d_P
