@@ -454,7 +454,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
              d_U=gradient("d_U"),
              d_bkd=f32, d_A_scratch=f32, d_P_scratch=f32, dv=inp, dw=inp, chunk_table="i32"),
         dict(scale="fp32"), dict(blocks, STAGES=bw.VALUES_STAGES, STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS,
-                                 WARPGROUP_BARRIER=bw.warpgroup_barrier(bw.INTRA_BACKWARD_WARPS)),
+                                 WARPGROUP_BARRIER=bw.values_warpgroup_barrier()),
         bw.INTRA_BACKWARD_WARPS,
     )
     LOOP_TRIPS["intra_backward_contract"] = [-(-V // blocks["BV"])]

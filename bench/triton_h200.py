@@ -129,6 +129,9 @@ VARIANTS: list[dict] = [
     # asynchronous tensor-core products did not synchronise the warpgroups of a program
     # (triton-lang/triton#11047); sm_90a at float32 K = V = 64: the value launch spills 264 B
     dict(INTRA_BACKWARD_WARPS=4),
+    # the value launch without its warpgroup barrier (the default with Triton < 3.9 at 8 warps has
+    # it: warpgroup_barrier in backward.py): what the barrier costs, and whether bits then change
+    dict(VALUES_WARPGROUP_BARRIER=False),
     # Tried on the H200 (2026-12-05) and removed: the reverse pass at 8 warps capped at 128
     # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
     # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory

@@ -250,6 +250,11 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
 
 
+# The value launch's barrier after d(wv)'s product: None where ``warpgroup_barrier`` says, or forced
+# on or off (off at two warpgroups with Triton < 3.9 is the race below: a speed reference only).
+VALUES_WARPGROUP_BARRIER: bool | None = None
+
+
 def warpgroup_barrier(num_warps: int, version: str | None = None) -> bool:
     """Whether the value launch needs its own barrier after ``d(wv)``'s product: at more than four
     warps (two warpgroups) with a Triton before 3.9. Those (3.6, 3.8 compiled for sm_90a) wait
@@ -259,6 +264,14 @@ def warpgroup_barrier(num_warps: int, version: str | None = None) -> bool:
     changed from call to call (bench/RESULTS.md). The barrier costs that loop its loads ahead."""
     major, minor = (int(part) for part in (version or triton.__version__).split(".")[:2])
     return num_warps > 4 and (major, minor) < (3, 9)
+
+
+def values_warpgroup_barrier() -> bool:
+    """The value launch's ``WARPGROUP_BARRIER``: ``VALUES_WARPGROUP_BARRIER`` where set, else
+    ``warpgroup_barrier`` at its warps."""
+    if VALUES_WARPGROUP_BARRIER is not None:
+        return VALUES_WARPGROUP_BARRIER
+    return warpgroup_barrier(INTRA_BACKWARD_WARPS)
 
 
 @triton.jit
@@ -688,7 +701,7 @@ def intra_backward_values(v, w, Wk, Uw, Uw_scale, inverse, U, d_o, d_U, d_bkd, s
         V, N,
         BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
         STAGES=VALUES_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS,
-        WARPGROUP_BARRIER=warpgroup_barrier(INTRA_BACKWARD_WARPS), num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        WARPGROUP_BARRIER=values_warpgroup_barrier(), num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
         **register_cap("intra_backward_values"),
     )
     return dv, dw, d_A, d_P
