@@ -52,6 +52,24 @@ class Compiled(NamedTuple):
     shared: int  # bytes of shared memory
     report: str  # ptxas -v
     sass: str  # nvdisasm of the cubin ("" unless asked for)
+    ptx: str
+
+
+def stores_after_wait(ptx: str) -> int:
+    """Places in ``ptx`` where a thread stores into shared memory (``st.shared``, ``stmatrix``)
+    after waiting for its warpgroup's asynchronous products (``wgmma.wait_group``) with no barrier
+    between. With two or more warpgroups each such store may overwrite what another warpgroup's
+    products still read (triton-lang/triton#11047: Triton before 3.9 leaves these out)."""
+    count, waited = 0, False
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("wgmma.wait_group"):
+            waited = True
+        elif line.startswith(("bar.sync", "barrier.sync")):
+            waited = False
+        elif waited and line.startswith(("st.shared", "stmatrix")):
+            count, waited = count + 1, False
+    return count
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
@@ -88,7 +106,7 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
         if disassemble:
             nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
             sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    return Compiled(compiled.metadata.shared, report, sass)
+    return Compiled(compiled.metadata.shared, report, sass, compiled.asm["ptx"])
 
 
 def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
@@ -325,6 +343,8 @@ def _line(name: str, warps: int, compiled: Compiled) -> str:
     registers = re.search(r"Used (\d+) registers", compiled.report)
     if registers:
         line += f", occupancy {occupancy(int(registers.group(1)), warps, compiled.shared):.1%}"
+    if warps > 4:  # two or more warpgroups
+        line += f", shared stores after a warpgroup's wait without a barrier: {stores_after_wait(compiled.ptx)}"
     return line
 
 

@@ -184,3 +184,21 @@ def test_fla_state_pass_configs_read_the_autotuners_choice(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_delta_h", module)
     assert bench.fla_state_pass_configs() == {"chunk_gated_delta_rule_fwd_kernel_h_blockdim64": None,
                                               "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": "BV: 32, num_warps: 4"}
+
+
+def test_stores_after_a_warpgroup_wait_are_counted():
+    """``stores_after_wait`` counts a shared-memory store after ``wgmma.wait_group`` with no
+    barrier between (the store a second warpgroup's products may still read under), and not one
+    after a barrier."""
+    tool = _tool_module()
+    racy = """
+        wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {%r1}, %rd1, %rd2, 1, 1, 1;
+        wgmma.commit_group.sync.aligned;
+        wgmma.wait_group.sync.aligned 0;
+        ld.shared.v2.b32 {%r2, %r3}, [%r4+73728];
+        st.shared.v2.b32 [%r5+98304], {%r2, %r3};
+        st.shared.v2.b32 [%r5+98560], {%r2, %r3};
+    """
+    assert tool.stores_after_wait(racy) == 1
+    assert tool.stores_after_wait(racy.replace("ld.shared", "bar.sync 0;\n        ld.shared")) == 0
+    assert tool.stores_after_wait("st.shared.v2.b32 [%r5], {%r2, %r3};") == 0  # no wait before it
