@@ -5,7 +5,11 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
 1. correctness on the GPU against the float64 spec (``gdn2.spec``) at small shapes, for gdn2's
    kernel path (and flash-linear-attention's with ``--check-fla``), with float32 and bfloat16
    inputs: output, final state and every gradient (a nonzero gradient flows into the final state);
-   and gdn2's on packed sequences (``cu_seqlens``) against the spec on each sequence alone;
+   and gdn2's on packed sequences (``cu_seqlens``) against the spec on each sequence alone; each
+   gdn2 check runs three times, free memory scrambled between, and names the quantities whose
+   bits changed (``repeated``);
+   optionally (``--launch-repeats``) each launch rerun on the same inputs, for the default and
+   each of ``--variants``, naming the first whose bits change (``launch_repeats``);
 2. timing, side by side on the same inputs: forward and forward+backward in bfloat16 at the
    three shapes, and the peak memory of one forward+backward; for gdn2 also whether three
    forward+backward passes there give the same bits (``repeatability``: its kernels use no
@@ -64,10 +68,6 @@ PACKED_CHECK_SHAPES = [
     ([1, 63, 64, 65, 200, 0, 130, 17], 2, 128, 128),
     ([300, 5, 0, 77], 2, 64, 64),
 ]
-# (B, T, H, K, V): shapes at which a variant's bf16 results are compared with the default's on
-# the same inputs, chosen for the value blocks the sequential passes take (16, 32 and 64 columns
-# at K = V = 128: value_block shrinks them for few heads; 32 and 64 at K = V = 64), T not a
-# multiple of 64.
 # Each gdn2 check runs this many times, free memory scrambled between (``repeated``).
 CHECK_RUNS = 3
 # (B, T, H, K, V, dtype) at which ``--launch-repeats`` looks for the launch whose bits change: on an
@@ -76,6 +76,10 @@ CHECK_RUNS = 3
 # packed K = V = 128 and the bfloat16 timing shapes repeated their bits.
 LAUNCH_REPEAT_CASES = [((1, 382, 2, 64, 64), torch.float32), ((1, 382, 2, 64, 64), torch.bfloat16),
                        ((1, 382, 2, 128, 128), torch.float32), ((16, 190, 32, 64, 64), torch.float32)]
+# (B, T, H, K, V): shapes at which a variant's bf16 results are compared with the default's on
+# the same inputs, chosen for the value blocks the sequential passes take (16, 32 and 64 columns
+# at K = V = 128: value_block shrinks them for few heads; 32 and 64 at K = V = 64), T not a
+# multiple of 64.
 AGREEMENT_SHAPES = [(1, 700, 2, 128, 128), (4, 520, 16, 128, 128), (8, 300, 16, 128, 128), (8, 190, 16, 64, 64),
                     (16, 190, 32, 64, 64)]
 # Launch-setting variants of gdn2 go here (module constants of its kernel launchers, e.g.
