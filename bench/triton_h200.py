@@ -202,10 +202,8 @@ def check(function, shape, dtype, seed, device="cuda", runs=1):
     those whose bits changed over ``runs`` calls (``repeated``)."""
     B, T, H, K, V, decay = shape
     case = make_case(B, T, H, K, V, seed, log_decay_range=decay)
-    result, differ = repeated(lambda: torch_gradients(case, str(dtype).rsplit(".", 1)[-1], function, device), runs,
-                              device)
-    errors = worst_error(result, case["expected"])[2]
-    return errors if runs == 1 else dict(errors, unrepeatable=differ)
+    return _errors(lambda: torch_gradients(case, str(dtype).rsplit(".", 1)[-1], function, device), case["expected"],
+                   runs, device)
 
 
 def check_packed(lengths, H, K, V, dtype, seed, device="cuda", runs=1):
@@ -213,9 +211,15 @@ def check_packed(lengths, H, K, V, dtype, seed, device="cuda", runs=1):
     against the float64 spec on each sequence alone: o, the final states and every gradient (a
     nonzero gradient flows into every final state); ``runs`` as in ``check``."""
     case = packed_case(seed, lengths, H=H, K=K, V=V)
-    result, differ = repeated(lambda: run_torch(case, str(dtype).rsplit(".", 1)[-1], 64, "kernel", device=device),
-                              runs, device)
-    errors = worst_error(result, case["expected"])[2]
+    return _errors(lambda: run_torch(case, str(dtype).rsplit(".", 1)[-1], 64, "kernel", device=device),
+                   case["expected"], runs, device)
+
+
+def _errors(run, expected, runs, device):
+    """``run()``'s relative errors against ``expected``; with ``runs`` > 1 also ``unrepeatable``
+    (``repeated``)."""
+    result, differ = repeated(run, runs, device)
+    errors = worst_error(result, expected)[2]
     return errors if runs == 1 else dict(errors, unrepeatable=differ)
 
 

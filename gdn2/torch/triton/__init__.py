@@ -96,8 +96,9 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "Uw_scale", "P", "inverse", "states", 
 # Saved buffers kept in bfloat16 when the inputs are bfloat16 (half the bytes written and read);
 # the others stay float32. Any of SAVED but gamma and Uw_scale may be named here: the kernels
 # compute in float32 and round on the store; a product whose operands are both bfloat16 as saved
-# runs on them as they are (exact), the others widen what they read to float32. Measured against the float64 spec on
-# bfloat16 inputs, the same draws for every choice (bench/saved_precision.py, bench/RESULTS.md):
+# runs on them as they are (exact), the others widen what they read to float32. Measured against
+# the float64 spec on bfloat16 inputs, the same draws for every choice (bench/saved_precision.py,
+# bench/RESULTS.md):
 # the chunk states, qd, kd and Wk (and the inverse) change no error visibly; U raises o's own
 # error 1.3x (o against the spec on the unrounded inputs 3.64e-3 -> 3.99e-3, flash-linear-attention's
 # 4.40e-3) and leaves the states and gradients as they were (the state pass updates the state on

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix, _sequence_chunks,
-                      _table, register_cap, value_block)
+from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix, _load_uw,
+                      _sequence_chunks, _table, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -387,8 +387,7 @@ def _intra_backward_values_kernel(
         padded_v = i_bh * N * C * V + (i_n * C + rows[:, None]) * V + cols_v[None, :]
         U_tile = tl.load(U + padded_v, mask=v_ok[None, :], other=0.0)
         dU_tile = tl.load(d_U + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        column_scale = tl.load(Uw_scale + (i_bh * N + i_n) * V + cols_v, mask=v_ok, other=1.0)
-        Uw_tile = tl.load(Uw + padded_v, mask=v_ok[None, :], other=0.0).to(tl.float32) * column_scale[None, :]
+        Uw_tile = _load_uw(Uw + padded_v, Uw_scale + (i_bh * N + i_n) * V + cols_v, v_ok)
         value_offsets = value_in + t[:, None] * (H * V) + cols_v[None, :]
         value_mask = row_ok[:, None] & v_ok[None, :]
         d_out = tl.load(d_o + value_offsets, mask=value_mask, other=0.0)

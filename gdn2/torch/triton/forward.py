@@ -704,6 +704,14 @@ def _store_below(matrix, T10, T20, T21, T30, T31, T32):
 
 
 @triton.jit
+def _load_uw(Uw, Uw_scale, v_ok):
+    """A chunk's [64, BV] tile of Uw as float32 (``Uw`` at its entries, ``Uw_scale`` at its value
+    columns): the saved tile times its column scales (``_value_products``)."""
+    column_scale = tl.load(Uw_scale, mask=v_ok, other=1.0)
+    return tl.load(Uw, mask=v_ok[None, :], other=0.0).to(tl.float32) * column_scale[None, :]
+
+
+@triton.jit
 def _value_products(v, w, X_tile, Uw_out, Uw_scale_out, first_bad_out, first_key_bad, t, row_ok, H, V: tl.constexpr,
                     BV: tl.constexpr, DOT: tl.constexpr, BFLOAT16_PRODUCTS: tl.constexpr, SCALED: tl.constexpr):
     """One chunk's ``Uw = X (w v)`` (``v``, ``w`` at the sequence and head; ``Uw_out`` at the
@@ -819,8 +827,9 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, Uw_scale, gamma, P, X, first
     (``TILES``) and ``first_bad`` ``[B, H, N, V]`` int32 (per chunk and value column, the first row
     with a non-finite input; 64 when there is none). Any of qd, kd, Wk, Uw, P and X may be
     bfloat16 (``SAVED_IN_BFLOAT16``), Uw float16 (scaled per chunk and value column: ``Uw_scale``,
-    else 1): the kernels compute in float32 and round on the store. With packed sequences, ``chunk_table`` (``[chunks, 2]`` int32: first token, length)
-    lists the chunks, B is 1 and N the table's length."""
+    else 1): the kernels compute in float32 and round on the store. With packed sequences,
+    ``chunk_table`` (``[chunks, 2]`` int32: first token, length) lists the chunks, B is 1 and N the
+    table's length."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = P.shape[2]
@@ -883,8 +892,7 @@ def _state_forward_kernel(
         keys = (row0 + rows[:, None]) * K + cols_k[None, :]
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
-        column_scale = tl.load(Uw_scale + (head * N + i_n) * V + cols_v, mask=v_ok, other=1.0)
-        U = tl.load(Uw + values, mask=v_ok[None, :], other=0.0).to(tl.float32) * column_scale[None, :]
+        U = _load_uw(Uw + values, Uw_scale + (head * N + i_n) * V + cols_v, v_ok)
         if SPLIT:  # Wk and kd as stored (bfloat16), the state and U split (_split_dot)
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
