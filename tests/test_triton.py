@@ -223,6 +223,27 @@ def test_value_launch_barrier_changes_no_bit(seed, interpreter, monkeypatch):
 
 
 @kernel_only
+def test_contraction_loads_ahead_only_on_bfloat16_products(seed, interpreter, monkeypatch):
+    """The contraction launch loads ahead (``CONTRACT_STAGES``) with bfloat16 inputs and not with
+    float32 inputs (``contract_stages``: Triton 3.6's loads-ahead build gave float32 d_bkd
+    different bits between calls on the GPU); a spy reads the launches, and both backward passes
+    stay within their tolerance of the spec."""
+    from gdn2.torch.triton import backward
+
+    assert backward.CONTRACT_STAGES > 1
+    assert backward.contract_stages(True) == backward.CONTRACT_STAGES and backward.contract_stages(False) == 1
+    case = make_case(1, 70, 1, 32, 24, seed, log_decay_range=(-3.0, 0.0))
+    spy = _LaunchSpy(backward._intra_backward_contract_kernel)
+    monkeypatch.setattr(backward, "_intra_backward_contract_kernel", spy)
+    for dtype, tolerance, stages in (("float32", 1e-4, 1), ("bfloat16", 2e-2, backward.CONTRACT_STAGES)):
+        rounded = _rounded_case(case, getattr(torch, dtype))
+        spy.launches.clear()
+        error, name, errors = worst_error(run_torch(rounded, dtype, path="kernel"), rounded["expected"])
+        assert error <= tolerance, (seed, dtype, name, errors)
+        assert spy.launches and all(launch["STAGES"] == stages for launch in spy.launches), (dtype, spy.launches)
+
+
+@kernel_only
 def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
     """The reverse pass's gradients of the leaving states and of U stored in bfloat16
     (``GRADIENTS_IN_BFLOAT16``): the pass holds both in float32 and rounds them on the store only,

@@ -236,7 +236,7 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 # Loop steps whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none): the contraction's and the value launch's value (and key) blocks, the keys
 # launch's loops over the other sub-blocks (H200, forward+backward ms).
-CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861; 4: 10.510 against 10.523)
+CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861; 4: 10.510 against 10.523); see contract_stages
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
 # The contraction and value launches' products whose operands are both bfloat16 as stored (the
@@ -248,6 +248,16 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 # 8.327 / 7.952 -> 8.027 / 7.720 with d_leaving in bfloat16 (sm_90a, the contraction then 88
 # registers against 125, 0.226 G warp-instructions a launch against 0.289 at K = V = 128).
 INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
+
+
+def contract_stages(bfloat16: bool) -> int:
+    """The contraction launch's ``STAGES``: loads ahead (``CONTRACT_STAGES``) only with the states
+    saved in bfloat16 (bfloat16 inputs). With float32 inputs Triton 3.6's loads-ahead build gave
+    d_bkd different bits from one call to the next on the same inputs (H100 and H200, at K = V =
+    64 with 8 warps and at K = V = 128 with 4; two stages as well as three; neither ptxas 12.9 or
+    13.0 nor a proxy fence before every wgmma changed that; bench/RESULTS.md); one stage repeats
+    its bits, and so do bfloat16 inputs with loads ahead."""
+    return CONTRACT_STAGES if bfloat16 else 1
 
 
 # The value launch's barrier after d(wv)'s product: None where ``warpgroup_barrier`` says, or forced
@@ -681,7 +691,7 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N * triton.cdiv(K, BKB), B * H)](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=CONTRACT_STAGES, STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=contract_stages(states.dtype == torch.bfloat16), STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
         **register_cap("intra_backward_contract"),
     )
     return d_qd, d_kd, d_bkd, d_gamma
