@@ -124,10 +124,14 @@ VARIANTS: list[dict] = [
     # chunk and value column)
     dict(UW_IN_FLOAT16=False),
     # the in-chunk backward's loops without loads ahead, or fewer (suspects for the float32 K = V = 64
-    # launches whose bits change between calls: LAUNCH_REPEAT_CASES)
+    # launches whose bits change between calls: LAUNCH_REPEAT_CASES; the value and keys launches
+    # repeated theirs on the H200, the contraction did not, at two stages or three)
     dict(VALUES_STAGES=1),
+    # the contraction loading two or one value blocks ahead with bfloat16 inputs (3 the default
+    # before 2026-12-05's seventh run: H200 forward+backward 8.153 / 7.784 ms against 8.476 /
+    # 7.901 without; float32 inputs never load ahead there, contract_stages in backward.py)
+    dict(CONTRACT_STAGES=3),
     dict(CONTRACT_STAGES=2),
-    dict(CONTRACT_STAGES=1),
     dict(KEYS_STAGES=1),
     # the contraction and value launches at one warpgroup (4 warps) instead of two: Triton's wait for
     # asynchronous tensor-core products did not synchronise the warpgroups of a program

@@ -202,3 +202,31 @@ def test_stores_after_a_warpgroup_wait_are_counted():
     assert tool.stores_after_wait(racy) == 1
     assert tool.stores_after_wait(racy.replace("ld.shared", "bar.sync 0;\n        ld.shared")) == 0
     assert tool.stores_after_wait("st.shared.v2.b32 [%r5], {%r2, %r3};") == 0  # no wait before it
+
+
+def test_ptx_probe_adds_one_fence_before_each_unfenced_wgmma():
+    """``bench/ptx_probe.py``'s ``add_fences``: a proxy fence before each ``wgmma.fence`` that has
+    none just before it (comments between count as nothing), none added twice."""
+    from bench_scripts import load_bench
+
+    probe = load_bench("ptx_probe")
+    ptx = """
+	cp.async.wait_group 	5;
+	bar.sync 	0;
+	wgmma.fence.sync.aligned;
+	wgmma.commit_group.sync.aligned;
+	fence.proxy.async.shared::cta;
+	// a comment
+	wgmma.fence.sync.aligned;
+	wgmma.wait_group.sync.aligned 0;
+	wgmma.fence.sync.aligned;
+"""
+    fenced, added = probe.add_fences(ptx)
+    assert added == 2
+    lines = [line.strip() for line in fenced.splitlines() if line.strip()]
+    assert lines.count("fence.proxy.async.shared::cta;") == 3
+    for index, line in enumerate(lines):
+        if line == "wgmma.fence.sync.aligned;":
+            previous = [x for x in lines[:index] if not x.startswith("//")][-1]
+            assert previous == "fence.proxy.async.shared::cta;"
+    assert probe.add_fences(fenced) == (fenced, 0)
