@@ -466,7 +466,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(states=saved_states, U=saved("U"), d_o=inp, d_leaving=gradient("d_leaving"), d_U=gradient("d_U"),
              inverse=saved("inverse"), d_qd=f32, d_kd=f32, d_bkd=f32, d_gamma=f32, chunk_table="i32"),
         dict(scale="fp32"),
-        dict(blocks, STAGES=bw.contract_stages(saved_states == "bf16"), STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS), bw.INTRA_BACKWARD_WARPS,
+        dict(blocks, STAGES=bw.contract_stages(saved_states == "bf16"), STORED=bw.INTRA_BACKWARD_BFLOAT16_PRODUCTS),
+        bw.INTRA_BACKWARD_WARPS,
     )
     out["intra_backward_values"] = (
         bw._intra_backward_values_kernel,

@@ -264,7 +264,7 @@ def contract_stages(bfloat16: bool) -> int:
 
 
 # The value launch's barrier after d(wv)'s product: None where ``warpgroup_barrier`` says, or forced
-# on or off (off at two warpgroups with Triton < 3.9 is the race below: a speed reference only).
+# on or off (off at two warpgroups with Triton < 3.9 leaves the hazard below: a speed reference only).
 VALUES_WARPGROUP_BARRIER: bool | None = None
 
 
@@ -273,8 +273,10 @@ def warpgroup_barrier(num_warps: int, version: str | None = None) -> bool:
     warps (two warpgroups) with a Triton before 3.9. Those (3.6, 3.8 compiled for sm_90a) wait
     for a warpgroup's own asynchronous products and then, without a barrier, store into shared
     memory that the other warpgroup's products may still read (triton-lang/triton#11047, fixed in
-    #11056; Triton 3.9 puts a barrier there). On an H100 with Triton 3.6, float32 dk, dg and db
-    changed from call to call (bench/RESULTS.md). The barrier costs that loop its loads ahead."""
+    #11056; Triton 3.9 puts a barrier there). Not the cause of the float32 results that changed
+    from call to call (``contract_stages``): with or without it the value launch repeated its bits
+    on the H200. It costs that loop its loads ahead (0.12 ms of forward+backward at the first
+    shape, bench/RESULTS.md)."""
     major, minor = (int(part) for part in (version or triton.__version__).split(".")[:2])
     return num_warps > 4 and (major, minor) < (3, 9)
 
@@ -694,7 +696,8 @@ def intra_backward_contract(states, U, d_o, d_leaving, d_U, inverse, scale: floa
     _intra_backward_contract_kernel[(N * triton.cdiv(K, BKB), B * H)](
         states, U, d_o, d_leaving, d_U, inverse, d_qd, d_kd, d_bkd, d_gamma, _table(chunk_table, states), scale,
         T, H, K, V, N, BKB=BKB, BV=BV, C=CHUNK, DOT=dot_precision, PACKED=chunk_table is not None,
-        STAGES=contract_stages(states.dtype == torch.bfloat16), STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS, num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
+        STAGES=contract_stages(states.dtype == torch.bfloat16), STORED=INTRA_BACKWARD_BFLOAT16_PRODUCTS,
+        num_warps=INTRA_BACKWARD_WARPS, num_stages=1,
         **register_cap("intra_backward_contract"),
     )
     return d_qd, d_kd, d_bkd, d_gamma
