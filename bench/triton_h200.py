@@ -15,7 +15,7 @@ One run does, in order (every result goes to the JSON file as soon as it exists)
    forward+backward passes there give the same bits (``repeatability``: its kernels use no
    atomics, so a difference is a race that the small check shapes can miss);
 3. optionally (``--profile``) per-kernel GPU times from ``torch.profiler`` at the first timed shape
-   (flash-linear-attention's where it is timed);
+   (flash-linear-attention's where it is timed); optionally (``--recheck``) gdn2's checks again;
 4. optionally (``--variants``) other launch settings of gdn2's kernels, each compared with the
    default settings on the same bf16 inputs (``AGREEMENT_SHAPES``), checked against the spec and
    timed (at every timed shape, else the first timing shape).
@@ -446,6 +446,9 @@ def main():
     parser.add_argument("--launch-repeats", action="store_true",
                         help="after the checks, find the launches whose bits change between calls (launch_repeats) at "
                              "LAUNCH_REPEAT_CASES, for the default and each of --variants (which are then not timed)")
+    parser.add_argument("--recheck", action="store_true",
+                        help="after the timing (and flash-linear-attention's autotuning), run gdn2's checks again "
+                             "(recheck): results that change with what the process ran before")
     parser.add_argument("--shapes", default="0,1,2", help="indices into the timing shapes")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
@@ -500,21 +503,23 @@ def main():
     result["path"] = str(which_path(*probe, path="kernel"))
     print("gdn2 path:", result["path"], flush=True)
 
-    if not args.no_check:
-        result["check"] = []
-        for name, function in implementations.items():
-            if name == "fla" and not args.check_fla:
-                continue
+    def run_checks(key, checked_implementations):
+        """Every check of ``checked_implementations`` into ``result[key]``."""
+        result[key] = []
+        for name, function in checked_implementations.items():
             for dtype in (torch.float32, torch.bfloat16):
                 for index in range(len(CHECK_SHAPES)):
                     if name == "fla" and index > 1:
                         continue  # both at the two small shapes (and strong decay); gdn2 also at the others
-                    result["check"].append(checked(name, function, dtype, index))
+                    result[key].append(checked(name, function, dtype, index))
                     save()
                 if name == "gdn2":
                     for index in range(len(PACKED_CHECK_SHAPES)):
-                        result["check"].append(checked_packed(dtype, index))
+                        result[key].append(checked_packed(dtype, index))
                         save()
+
+    if not args.no_check:
+        run_checks("check", {name: f for name, f in implementations.items() if name == "gdn2" or args.check_fla})
 
     chosen = [] if not args.variants else (
         VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")])
@@ -561,6 +566,10 @@ def main():
         if args.profile and "profile" not in result:
             profile(result, {name: f for name, f in implementations.items() if name == "gdn2" or index in fla_shapes},
                     save, shape)
+
+    if args.recheck:
+        print("gdn2's checks again, after the timing:", flush=True)
+        run_checks("recheck", {"gdn2": gdn2_kernel})
 
     if chosen:
         timed = [int(s) for s in args.shapes.split(",") if s] or [0]
