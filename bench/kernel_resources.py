@@ -378,13 +378,14 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     PROGRAMS.clear()
     heads = B * H
     key_blocks_of = lambda block: -(-K // block)  # noqa: E731
-    def saved(name):  # the dtype of a saved buffer, as the operator allocates it
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[inp]
-        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: f32}[
-            operator._saved_dtypes(dtype)[operator.SAVED.index(name)]]
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: f32}
+    input_dtype = next(dtype for dtype, name in names.items() if name == inp)
 
-    def gradient(name):  # the dtype of the reverse pass's d_leaving or d_U
-        return "bf16" if inp == "bf16" and name in operator.GRADIENTS_IN_BFLOAT16 else f32
+    def saved(name):  # the dtype of a saved buffer, as the operator allocates it
+        return names[operator._saved_dtypes(input_dtype)[operator.SAVED.index(name)]]
+
+    def gradient(name):  # the dtype of the reverse pass's d_leaving or d_U, as the operator allocates it
+        return names[operator._gradient_dtype(name, input_dtype)]
 
     saved_states = saved("states")
     bk = max(16, triton.next_power_of_2(K))

@@ -74,16 +74,14 @@ def main(argv=None) -> None:
     import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from kernel_resources import set_launch  # bench/, next to this script
-    from triton_h200 import LAUNCH_REPEAT_CASES, launch_repeats
+    from triton_h200 import launch_repeat_rows  # bench/, next to this script
 
     counts = fence_every_wgmma() if args.fence_before_wgmma else None
     print(f"triton {triton.__version__}, ptxas {get_ptxas(90).version} ({get_ptxas(90).path}), "
           f"fences added: {args.fence_before_wgmma}", flush=True)
-    set_launch({name: ast.literal_eval(value) for name, value in (v.split("=", 1) for v in args.variant)})
-    for shape, dtype in LAUNCH_REPEAT_CASES:
-        found = launch_repeats(shape, dtype, args.seed, args.runs)
-        print(f"launch repeats {shape} {str(dtype).removeprefix('torch.')}: {found}", flush=True)
+    variant = {name: ast.literal_eval(value) for name, value in (v.split("=", 1) for v in args.variant)}
+    for _ in launch_repeat_rows(variant, args.seed, args.runs):
+        pass  # each row is printed
     if counts is not None:
         print("fences added by kernel:", {name: n for name, n in counts.items() if n}, flush=True)
 

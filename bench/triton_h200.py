@@ -73,7 +73,8 @@ CHECK_RUNS = 3
 # (B, T, H, K, V, dtype) at which ``--launch-repeats`` looks for the launch whose bits change: on an
 # H100, float32 inputs at K = V = 64 gave different dk, dg and db from one call to the next (at B=1
 # T=382 H=2, packed or not; db's error against the spec 1.5e-3 to 4.2e-2 on one draw), where
-# packed K = V = 128 and the bfloat16 timing shapes repeated their bits.
+# packed K = V = 128 and the bfloat16 timing shapes repeated their bits: the contraction's loads
+# ahead (``contract_stages`` in backward.py).
 LAUNCH_REPEAT_CASES = [((1, 382, 2, 64, 64), torch.float32), ((1, 382, 2, 64, 64), torch.bfloat16),
                        ((1, 382, 2, 128, 128), torch.float32), ((16, 190, 32, 64, 64), torch.float32)]
 # (B, T, H, K, V): shapes at which a variant's bf16 results are compared with the default's on
@@ -296,6 +297,24 @@ def launch_repeats(shape, dtype, seed, runs=3, device="cuda"):
         q, k, g, b, c["d_qd"].clone(), c["d_kd"], c["d_bkd"], c["d_gamma"], a["d_A"], a["d_P"], saved["gamma"],
         precision))))
     return found
+
+
+def launch_repeat_rows(variant, seed, runs=3, device="cuda"):
+    """``launch_repeats`` under the launch settings ``variant`` at each of ``LAUNCH_REPEAT_CASES``,
+    each row printed as it comes (an exception's message in place of a row's stages)."""
+    previous = set_launch(variant)
+    try:
+        for shape, dtype in LAUNCH_REPEAT_CASES:
+            try:
+                with no_fallback():
+                    found = launch_repeats(shape, dtype, seed, runs, device)
+            except Exception as error:  # report, keep going
+                found = {"error": f"{type(error).__name__}: {error}"[:300]}
+            name = str(dtype).rsplit(".", 1)[-1]
+            print(f"launch repeats {variant or 'default'} {shape} {name}: {found}", flush=True)
+            yield dict(variant=variant, shape=list(shape), dtype=name, stages=found)
+    finally:
+        set_launch(previous)
 
 
 def agreement(variant, shape, seed, device="cuda"):
@@ -526,20 +545,9 @@ def main():
     if args.launch_repeats:
         result["launch_repeats"] = []
         for variant in [{}] + chosen:
-            previous = set_launch(variant)
-            try:
-                for shape, dtype in LAUNCH_REPEAT_CASES:
-                    try:
-                        with no_fallback():
-                            found = launch_repeats(shape, dtype, args.seed + 300)
-                    except Exception as error:  # report, keep going
-                        found = {"error": f"{type(error).__name__}: {error}"[:300]}
-                    name = str(dtype).rsplit(".", 1)[-1]
-                    result["launch_repeats"].append(dict(variant=variant, shape=list(shape), dtype=name, stages=found))
-                    print(f"launch repeats {variant or 'default'} {shape} {name}: {found}", flush=True)
-                    save()
-            finally:
-                set_launch(previous)
+            for row in launch_repeat_rows(variant, args.seed + 300):
+                result["launch_repeats"].append(row)
+                save()
         chosen = []
 
     result["timing"] = []

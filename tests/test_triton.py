@@ -626,8 +626,12 @@ def test_h200_bench_finds_the_launch_that_does_not_repeat(interpreter, monkeypat
 
     monkeypatch.setattr(backward, "intra_backward_keys", drifting_keys)  # as launch_repeats calls it
     monkeypatch.setattr(kernel, "intra_backward_keys", drifting_keys)  # as the operator's backward does
-    found = bench.launch_repeats(shape, torch.float32, 3, runs=2, device="cpu")
-    assert found == dict(forward=[], state_backward=[], contract=[], values=[], keys=["dk"])
+    monkeypatch.setattr(bench, "LAUNCH_REPEAT_CASES", [(shape, torch.float32)])
+    stages = backward.KEYS_STAGES
+    rows = list(bench.launch_repeat_rows(dict(KEYS_STAGES=stages + 1), 3, runs=2, device="cpu"))
+    assert rows == [dict(variant=dict(KEYS_STAGES=stages + 1), shape=list(shape), dtype="float32",
+                         stages=dict(forward=[], state_backward=[], contract=[], values=[], keys=["dk"]))]
+    assert backward.KEYS_STAGES == stages  # the variant's setting undone
     errors = bench.check(bench.gdn2_kernel, shape + ((-3.0, 0.0),), torch.float32, 3, device="cpu", runs=2)
     assert errors["unrepeatable"] == ["dk"]
 
