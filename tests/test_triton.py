@@ -223,7 +223,7 @@ def test_value_launch_barrier_changes_no_bit(seed, interpreter, monkeypatch):
 
 
 @kernel_only
-def test_contraction_loads_ahead_only_on_bfloat16_products(seed, interpreter, monkeypatch):
+def test_contraction_loads_ahead_only_with_bfloat16_inputs(seed, interpreter, monkeypatch):
     """With loads ahead asked for (``CONTRACT_STAGES`` 3), the contraction launch loads ahead with
     bfloat16 inputs and not with float32 inputs (``contract_stages``: Triton 3.6's loads-ahead
     build gave float32 d_bkd different bits between calls on the GPU); a spy reads the launches,
