@@ -9,7 +9,7 @@ builds the kernels:
 - ``--fence-before-wgmma``: put ``fence.proxy.async.shared::cta`` before every ``wgmma.fence``
   of the PTX that has none before it. Asynchronous copies (``cp.async``) write shared memory in
   the generic proxy and ``wgmma`` reads it in the asynchronous proxy, so the PTX ISA asks for
-  that fence between them; Triton 3.9 emits it in pipelined loops, 3.6 does not.
+  that fence between them; Triton 3.9's pipelined loops have it, 3.6's do not (bench/RESULTS.md).
 
 Run on the GPU machine, one setting per process::
 
