@@ -8,6 +8,7 @@ import importlib.util
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,5 +57,22 @@ def mlx_launch(nproc: int, arguments: list[str], timeout: float = 180, cwd: Path
     launcher = shutil.which("mlx.launch")
     if launcher is None:
         pytest.skip("mlx.launch is not on PATH")
-    command = [launcher, "-n", str(nproc), "--backend", "ring", "--", sys.executable, *arguments]
+    command = [launcher, "-n", str(nproc), "--backend", "ring", "--starting-port", str(free_ports(nproc)), "--",
+               sys.executable, *arguments]
     return _run(command, timeout, cwd)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free now (mlx.launch's ring backend
+    listens on its starting port plus the rank; its default, 32323, is taken by a launch already
+    running, as in a test run on several workers)."""
+    for _ in range(100):
+        first = random.SystemRandom().randrange(20000, 60000 - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports found")

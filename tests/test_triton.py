@@ -140,21 +140,28 @@ def test_uw_in_float16_over_its_column_scale(seed, interpreter, monkeypatch):
     """Uw saved in float16 over its largest magnitude per chunk and value column
     (``UW_IN_FLOAT16``), on values far past float16's 65504 (v times 1e6, a hard reset, several
     chunks, K != V): the saved Uw is float16 with each column's largest magnitude 1, times
-    ``Uw_scale`` it is the float32 Uw to float16's rounding, and every error against the spec
-    stays within float16's rounding of Uw (2^-11 of its column's largest magnitude) of the float32
-    Uw's (a bound of 1.1x plus 1e-4 failed at one seed: db 2.38e-3 against 2.07e-3)."""
-    case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    ``Uw_scale`` it is the float32 Uw to float16's rounding; the output and every gradient stay
+    within the bfloat16 tolerance of the spec and differ from the float32 Uw's by less than
+    bfloat16's own rounding (2^-8), leaving out the entries one bfloat16 step apart. Those are many
+    (2^-11 against a step of 2^-7 to 2^-8: 7% to 16% of the entries over 13 seeds, at most a
+    quarter allowed), and they rule out comparing the two runs' errors against the spec closely:
+    with v times 1e6, dg's norm is a few entries of its last row, and one of them a step apart
+    took its error from 1.97e-3 to 4.33e-3 (seed 3170873975). Without them, the largest difference
+    over those seeds was 1.7e-3 (dg), 9.3e-4 elsewhere."""
+    case = make_case(1, 150, 1, 32, 24, seed, log_decay_range=(-3.0, 0.0))
     case["inputs"]["v"] *= 1e6
     case["inputs"]["initial_state"] *= 1e6
-    case["inputs"]["g"][0, 70, 1] = -np.inf
+    case["inputs"]["g"][0, 70, 0] = -np.inf
     case = _rounded_case(case, torch.bfloat16)
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
-    runs, errors = {}, {}
+    runs, results = {}, {}
     for in_float16 in (False, True):
         monkeypatch.setattr(kernel, "UW_IN_FLOAT16", in_float16)
-        saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)[2:]
+        saved = kernel._forward(q, k, v, g, b, w, state, 32 ** -0.5, None, None)[2:]
         runs[in_float16] = dict(zip(kernel.SAVED, saved))
-        errors[in_float16] = worst_error(run_torch(case, "bfloat16", path="kernel"), case["expected"])[2]
+        results[in_float16] = run_torch(case, "bfloat16", path="kernel")
+        error, name, errors = worst_error(results[in_float16], case["expected"])
+        assert error <= 2e-2, (seed, in_float16, name, errors)
     wide, narrow = runs[False], runs[True]
     assert wide["Uw"].dtype == torch.float32 and (wide["Uw_scale"] == 1).all()
     assert narrow["Uw"].dtype == torch.float16 and narrow["Uw_scale"].max() > 1e5
@@ -162,8 +169,9 @@ def test_uw_in_float16_over_its_column_scale(seed, interpreter, monkeypatch):
     assert torch.equal(largest, torch.ones_like(largest))
     column_scale = narrow["Uw_scale"].double().repeat_interleave(64, 2)  # per row of Uw
     assert ((narrow["Uw"].double() * column_scale - wide["Uw"].double()).abs() <= 2 ** -11 * column_scale).all()
-    for name, error in errors[True].items():
-        assert error <= errors[False][name] + 2 ** -11, (seed, name, error, errors[False][name])
+    for name in results[False]:  # o and the inputs' gradients in bfloat16; the state's and its gradient in float32
+        _close(name, torch.as_tensor(results[False][name]), torch.as_tensor(results[True][name]), 2 ** -8,
+               name not in ("final_state", "dinitial_state"), one_step_share=0.25)
 
 
 @kernel_only
@@ -205,18 +213,18 @@ def test_value_launch_barrier_changes_no_bit(seed, interpreter, monkeypatch):
     chunks, K != V)."""
     from gdn2.torch.triton import backward
 
-    case = make_case(1, 150, 2, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    case = make_case(1, 150, 1, 32, 24, seed, log_decay_range=(-3.0, 0.0))
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
     generator = torch.Generator().manual_seed(seed)
     d_o = torch.randn(q.shape[:3] + v.shape[-1:], generator=generator).to(torch.bfloat16)
     d_final = torch.randn(state.shape, generator=generator)
-    saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)[2:]
+    saved = kernel._forward(q, k, v, g, b, w, state, 32 ** -0.5, None, None)[2:]
     spy = _LaunchSpy(backward._intra_backward_values_kernel)
     monkeypatch.setattr(backward, "_intra_backward_values_kernel", spy)
     runs = []
     for barrier in (False, True):
         monkeypatch.setattr(backward, "warpgroup_barrier", lambda num_warps, version=None: barrier)
-        runs.append(kernel._backward(q, k, v, g, b, w, saved, d_o, d_final, 64 ** -0.5, True, None, None))
+        runs.append(kernel._backward(q, k, v, g, b, w, saved, d_o, d_final, 32 ** -0.5, True, None, None))
     assert [launch["WARPGROUP_BARRIER"] for launch in spy.launches] == [False, True]
     for x, y in zip(*runs):
         assert torch.equal(x, y)
@@ -251,7 +259,7 @@ def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
     so the initial state's gradient (and dq) is the same bit for bit as with float32 buffers, while the
     gradients of the launches that read them move (they read the rounded values) and stay within
     the bfloat16 tolerance of the spec (several chunks, a hard reset, K != V)."""
-    case = make_case(1, 200, 1, 64, 48, seed, log_decay_range=(-3.0, 0.0))
+    case = make_case(1, 150, 1, 32, 24, seed, log_decay_range=(-3.0, 0.0))
     case["inputs"]["g"][0, 90, 0] = -np.inf
     case = _rounded_case(case, torch.bfloat16)
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
@@ -261,8 +269,8 @@ def test_backward_gradients_in_bfloat16(seed, interpreter, monkeypatch):
     runs = {}
     for in_bfloat16 in ((), ("d_leaving", "d_U")):
         monkeypatch.setattr(kernel, "GRADIENTS_IN_BFLOAT16", in_bfloat16)
-        saved = kernel._forward(q, k, v, g, b, w, state, 64 ** -0.5, None, None)[2:]
-        runs[in_bfloat16] = kernel._backward(q, k, v, g, b, w, saved, d_o, d_final, 64 ** -0.5, True, None, None)
+        saved = kernel._forward(q, k, v, g, b, w, state, 32 ** -0.5, None, None)[2:]
+        runs[in_bfloat16] = kernel._backward(q, k, v, g, b, w, saved, d_o, d_final, 32 ** -0.5, True, None, None)
     exact, rounded = runs[()], runs[("d_leaving", "d_U")]
     # dq reads neither (o = scale (qd S + P U)): it too is the same bit for bit
     for name, x, y in (("dq", exact[0], rounded[0]), ("d_initial", exact[-1], rounded[-1])):
@@ -359,6 +367,23 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     _assert_float32_kernel_matches(with_expected(case), seed)
 
 
+def _close(name, widened, other, tolerance, bfloat16, one_step_share=0.01):
+    """``other``'s difference from ``widened`` within ``tolerance`` of the widened's norm, leaving
+    out, with bfloat16 results, the entries one rounding step apart (a value that lands near a tie
+    rounds either way, whatever its float32 difference); at most ``one_step_share`` of the entries
+    may be such (a difference of a tenth of a step moves about a tenth of them)."""
+    ok = ~torch.isnan(widened)
+    assert torch.equal(ok, ~torch.isnan(other)), name
+    widened, other = widened.double()[ok], other.double()[ok]
+    difference = other - widened
+    if bfloat16:
+        magnitude = torch.maximum(widened.abs(), other.abs()).clamp_min(1e-30)
+        one_step = (difference != 0) & (difference.abs() <= 2.0 ** (torch.floor(torch.log2(magnitude)) - 7))
+        assert one_step.sum() <= one_step_share * one_step.numel(), (name, one_step.sum().item(), one_step.numel())
+        difference = difference[~one_step]
+    assert difference.norm() / widened.norm() <= tolerance, (name, (difference.norm() / widened.norm()).item())
+
+
 def _bfloat16_products(monkeypatch, on: bool) -> None:
     from gdn2.torch.triton import forward
 
@@ -382,22 +407,6 @@ def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, mon
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
         monkeypatch.setattr(forward, "DECAYED_ERASE_KEYS_IN_WK", True)
 
-    def close(name, widened, split, tolerance, bfloat16):
-        """The difference's norm within ``tolerance`` of the widened's, leaving out, with bfloat16
-        results, the entries one rounding step apart (a value that lands near a tie rounds either
-        way, whatever its float32 difference); at most 1% of the entries may be such (a bias of
-        a tenth of a step would move about a tenth of them)."""
-        ok = ~torch.isnan(widened)
-        assert torch.equal(ok, ~torch.isnan(split)), name
-        widened, split = widened.double()[ok], split.double()[ok]
-        difference = split - widened
-        if bfloat16:
-            magnitude = torch.maximum(widened.abs(), split.abs()).clamp_min(1e-30)
-            one_step = (difference != 0) & (difference.abs() <= 2.0 ** (torch.floor(torch.log2(magnitude)) - 7))
-            assert one_step.sum() <= 0.01 * one_step.numel(), (name, one_step.sum().item(), one_step.numel())
-            difference = difference[~one_step]
-        assert difference.norm() / widened.norm() <= tolerance, (name, (difference.norm() / widened.norm()).item())
-
     case = make_case(1, 140, 1, 64, 48, seed, log_decay_range=(-3.0, 0.0))
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
     g[0, 70, 0] = -float("inf")
@@ -410,7 +419,7 @@ def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, mon
     assert torch.isnan(o[0, 110:, 0, 5]).all() and not torch.isnan(o[0, :110]).any()
     for name, widened, split in zip(("o", "final_state") + kernel.SAVED, results[0], results[1]):
         # measured up to 2.6e-6 in float32
-        close(name, widened, split, 1e-4 if split.dtype == torch.bfloat16 else 2e-5, split.dtype == torch.bfloat16)
+        _close(name, widened, split, 1e-4 if split.dtype == torch.bfloat16 else 2e-5, split.dtype == torch.bfloat16)
 
     if in_bfloat16 is not None:
         return  # the gradients through the widest saved set: test_kernel_bfloat16_saved_buffers_widest
@@ -426,8 +435,8 @@ def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, mon
     # entries moved one rounding step (the largest 0.1260 against 0.1250, the spec's 0.1256) and
     # the rest 9e-10.
     for name in gradients[0]:  # o and the inputs' gradients in bfloat16; the state's and its gradient in float32
-        close(name, torch.as_tensor(np.asarray(gradients[0][name])), torch.as_tensor(np.asarray(gradients[1][name])), 5e-4,
-              name not in ("final_state", "dinitial_state"))
+        _close(name, torch.as_tensor(np.asarray(gradients[0][name])), torch.as_tensor(np.asarray(gradients[1][name])),
+               5e-4, name not in ("final_state", "dinitial_state"))
 
 
 @kernel_only
@@ -587,7 +596,7 @@ def test_h200_bench_repeatability(interpreter, monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     bench = load_bench("triton_h200", "triton_h200_repeatability")
-    shape = (1, 70, 2, 16, 8)
+    shape = (1, 40, 1, 16, 8)
     result = bench.repeatability(bench.gdn2_kernel, shape, runs=2, dtype=torch.float32, device="cpu")
     assert result == dict(repeatable=True, repeat_difference=0.0)
     calls = []
@@ -612,7 +621,7 @@ def test_h200_bench_finds_the_launch_that_does_not_repeat(interpreter, monkeypat
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     bench = load_bench("triton_h200", "triton_h200_launch_repeats")
-    shape = (1, 70, 2, 16, 8)
+    shape = (1, 40, 1, 16, 8)
     found = bench.launch_repeats(shape, torch.float32, 3, runs=2, device="cpu")
     assert found == dict(forward=[], state_backward=[], contract=[], values=[], keys=[])
     errors = bench.check(bench.gdn2_kernel, shape + ((-3.0, 0.0),), torch.float32, 3, device="cpu", runs=2)
