@@ -141,6 +141,11 @@ VARIANTS: list[dict] = [
     # the value launch without its warpgroup barrier (the default with Triton < 3.9 at 8 warps has
     # it: warpgroup_barrier in backward.py): what the barrier costs, and whether bits then change
     dict(VALUES_WARPGROUP_BARRIER=False),
+    # the reverse state pass in value blocks of 32 where heads are few (512 programs at the first
+    # shape; the third has 512 at 64 columns already): sm_90a, Triton 3.6, K = V = 128, bf16: 240
+    # registers and no spills against 255 and 376 B, 899 instructions a chunk against 1,293, 56 KiB
+    # of shared memory; two programs a multiprocessor, so two waves at the first shape
+    dict(STATE_BACKWARD_MIN_PROGRAMS=512),
     # Tried on the H200 (2026-12-05) and removed: the reverse pass at 8 warps capped at 128
     # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
     # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory
