@@ -146,6 +146,9 @@ VARIANTS: list[dict] = [
     # registers and no spills against 255 and 376 B, 899 instructions a chunk against 1,293, 56 KiB
     # of shared memory; two programs a multiprocessor, so two waves at the first shape
     dict(STATE_BACKWARD_MIN_PROGRAMS=512),
+    # and loading a chunk ahead at K = 128 (bf16 saved buffers): 100.5 KiB of shared memory (two
+    # programs a multiprocessor), 255 registers, 412 B of spills
+    dict(STATE_BACKWARD_MIN_PROGRAMS=512, STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MAX_STAGED_K=128),
     # Tried on the H200 (2026-12-05) and removed: the reverse pass at 8 warps capped at 128
     # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
     # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory
