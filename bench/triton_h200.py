@@ -128,10 +128,10 @@ VARIANTS: list[dict] = [
     # launches whose bits change between calls: LAUNCH_REPEAT_CASES; the value and keys launches
     # repeated theirs on the H200, the contraction did not, at two stages or three)
     dict(VALUES_STAGES=1),
-    # the contraction loading two or one value blocks ahead with bfloat16 inputs (3 the default
-    # before 2026-12-05's seventh run: H200 forward+backward 8.153 / 7.784 ms against 8.476 /
-    # 7.901 without; float32 inputs never load ahead there, contract_stages in backward.py)
-    dict(CONTRACT_STAGES=3),
+    # the contraction loading no value block or one ahead with bfloat16 inputs (the default, 3,
+    # between 2026-12-05's seventh and eighth runs 1: H200 forward+backward 8.539 / 7.906 ms against
+    # 8.197 / 7.828 with three; float32 inputs never load ahead, contract_stages in backward.py)
+    dict(CONTRACT_STAGES=1),
     dict(CONTRACT_STAGES=2),
     dict(KEYS_STAGES=1),
     # the contraction and value launches at one warpgroup (4 warps) instead of two: Triton's wait for
@@ -141,18 +141,10 @@ VARIANTS: list[dict] = [
     # the value launch without its warpgroup barrier (the default with Triton < 3.9 at 8 warps has
     # it: warpgroup_barrier in backward.py): what the barrier costs, and whether bits then change
     dict(VALUES_WARPGROUP_BARRIER=False),
-    # the reverse state pass in value blocks of 32 where heads are few (512 programs at the first
-    # shape; the third has 512 at 64 columns already): sm_90a, Triton 3.6, K = V = 128, bf16: 240
-    # registers and no spills against 255 and 376 B, 899 instructions a chunk against 1,293, 56 KiB
-    # of shared memory; two programs a multiprocessor, so two waves at the first shape
-    dict(STATE_BACKWARD_MIN_PROGRAMS=512),
-    # and loading a chunk ahead at K = 128 (bf16 saved buffers): 100.5 KiB of shared memory (two
-    # programs a multiprocessor), 255 registers, 412 B of spills
-    dict(STATE_BACKWARD_MIN_PROGRAMS=512, STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MAX_STAGED_K=128),
-    # the float32 Uw with the contraction loading ahead: the setting of the one bfloat16 outlier (db
-    # 3.36e-2 against 4e-3, 2026-12-05's seventh run)
-    dict(UW_IN_FLOAT16=False, CONTRACT_STAGES=3),
-    # Tried on the H200 (2026-12-05) and removed: the reverse pass at 8 warps capped at 128
+    # Tried on the H200 (2026-12-05) and removed: the reverse pass in value blocks of 32
+    # (STATE_BACKWARD_MIN_PROGRAMS=512; 240 registers, no spills, two waves at the first shape):
+    # 8.822 ms forward+backward against 8.535, with loads a chunk ahead at K = 128 8.929;
+    # the reverse pass at 8 warps capped at 128
     # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
     # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory
     # access); the reverse pass's products on bfloat16 operands (dU, P and dS rounded in any

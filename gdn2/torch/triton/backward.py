@@ -236,7 +236,7 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 # Loop steps whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none): the contraction's and the value launch's value (and key) blocks, the keys
 # launch's loops over the other sub-blocks (H200, forward+backward ms).
-CONTRACT_STAGES = 1  # 3: 10.876 -> 10.656 (2: 10.861); now 1, see contract_stages
+CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861); float32 inputs at 1 whatever it says: contract_stages
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
 # The contraction and value launches' products whose operands are both bfloat16 as stored (the
@@ -256,10 +256,11 @@ def contract_stages(bfloat16: bool) -> int:
     build (two stages or three) gave d_bkd different bits from one call to the next on the same
     inputs (H100 and H200, at K = V = 64 with 8 warps and at K = V = 128 with 4; neither ptxas 12.9
     or 13.0 nor a proxy fence before every wgmma changed that; bench/RESULTS.md); one stage
-    repeats its bits. bfloat16 inputs repeated theirs with three stages in every check but gave
-    one unexplained outlier (db 3.4e-2 against 4e-3, in a run with the float32 Uw): until that is
-    explained, ``CONTRACT_STAGES`` is 1 for them too (H200: 8.153 -> 8.476 ms forward+backward
-    at the first shape, 7.784 -> 7.901 at the third)."""
+    repeats its bits. bfloat16 inputs repeat theirs with three stages, bit-identical to one stage
+    at the five agreement shapes in three processes on the H200 (2026-12-05's eighth run; three
+    stages: 8.539 -> 8.197 ms forward+backward at the first shape, 7.906 -> 7.828 at the third). One
+    outlier in the seventh run (db 3.4e-2 against 4e-3, with the float32 Uw) did not come back
+    there, that setting included."""
     return CONTRACT_STAGES if bfloat16 else 1
 
 
