@@ -454,9 +454,19 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
              HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16")),
+             STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16"), LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU,
+             ROUNDED=bw.STATE_BACKWARD_ROUNDED and saved("qd") == inp == "bf16"),
         bw.STATE_BACKWARD_WARPS,
     )
+    if bw.STATE_BACKWARD_LOCAL_DU:
+        out["local_values_gradient"] = (
+            bw._local_values_gradient_kernel,
+            dict(P=saved("P"), d_o=inp, d_U=gradient("d_U"), chunk_table="i32"),
+            dict(scale="fp32"),
+            dict(V=V, BV=fk.chunk_value_block(V), DOT=dot, PACKED=packed),
+            4,
+        )
+        PROGRAMS["local_values_gradient"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
     LOOP_TRIPS["state_backward"] = [chunks]
     PROGRAMS["state_backward"] = -(-V // fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS)) * heads
     blocks = dict(K=K, V=V, BKB=min(bw.INTRA_BACKWARD_KEY_BLOCK, max(32, bk)),

@@ -153,6 +153,23 @@ VARIANTS: list[dict] = [
     # Tried on an H100 (2026-12-05) and removed, no faster: the state forward's Wk S on the state
     # rounded to bfloat16 (2.088 / 2.087 against 2.085 / 2.087 ms forward, first shape, two
     # processes); the intra-forward launch over the heads in reverse order (2.076 / 2.083).
+    # the reverse pass in the form of flash-linear-attention's: scale P^T dO made first by a launch
+    # of its own into d_U (STATE_BACKWARD_LOCAL_DU), the products on bfloat16 operands (the state's
+    # gradient and dU rounded for them, qd^T and Wk^T read transposed: STATE_BACKWARD_ROUNDED) in
+    # blocks of 64 key rows; sm_90a, Triton 3.6, K = V = 128: 709 instructions a chunk against
+    # 1,293, no spills, 48 KiB of shared memory; loading one chunk ahead at K = 128 too (152.5 KiB,
+    # one program a multiprocessor, as fla's pass at 3 stages), two (225 KiB), in value blocks of
+    # 32 (185 KiB at 3 stages); products only (P^T dO in the loop); with d_U in bfloat16
+    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64),
+    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
+         STATE_BACKWARD_MAX_STAGED_K=128),
+    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
+         STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_STAGES=3),
+    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
+         STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_STAGES=3, STATE_BACKWARD_MIN_PROGRAMS=512),
+    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_KEY_BLOCK=64, STATE_BACKWARD_MAX_STAGED_K=128),
+    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
+         STATE_BACKWARD_MAX_STAGED_K=128, GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
 ]
 
 

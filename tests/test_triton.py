@@ -1022,7 +1022,8 @@ def test_register_caps_name_launches():
 
     asked = set(re.findall(r'register_cap\("(\w+)"\)', inspect.getsource(forward) + inspect.getsource(backward)))
     assert {"diagonal", "intra_forward", "inverse", "wy", "state_forward", "output", "state_backward",
-            "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient"} == asked
+            "intra_backward_contract", "intra_backward_values", "intra_backward_keys", "gate_gradient",
+            "local_values_gradient"} == asked
     assert set(forward.MAX_REGISTERS) <= asked
     assert all(isinstance(cap, int) and 24 <= cap <= 255 for cap in forward.MAX_REGISTERS.values())
 
@@ -1093,9 +1094,28 @@ def test_state_backward_key_blocks(K, V, key_block, bfloat16, packed, seed, inte
     loads a chunk ahead, the default), against the recurrence in float64 on the same values: the
     gradient of the state leaving each chunk, of U, and of the initial state; a partial last
     chunk, packed sequences (a chunk table) with one of a single chunk."""
+    _check_state_backward(K, V, key_block, bfloat16, packed, seed, monkeypatch)
+
+
+@pytest.mark.parametrize("K, V", [(128, 64), (200, 24), (48, 16)], ids=lambda x: str(x))
+@pytest.mark.parametrize("local, rounded", [(True, False), (False, True), (True, True)],
+                         ids=["local_dU", "rounded", "local_dU_rounded"])
+def test_state_backward_local_and_rounded_forms(K, V, local, rounded, seed, interpreter, monkeypatch):
+    """The reverse pass's variants: ``STATE_BACKWARD_LOCAL_DU`` (scale P^T dO made by a launch of
+    its own into d_U first) against the float64 recurrence as tightly as the default, and
+    ``STATE_BACKWARD_ROUNDED`` (bfloat16 operands: the state's gradient and dU rounded for the
+    products, as flash-linear-attention's pass) within bfloat16's rounding (2^-8: a missing or
+    halved term is far outside it), in key blocks of 64 rows, batch and packed."""
+    for packed in (False, True):
+        _check_state_backward(K, V, 64, True, packed, seed, monkeypatch, local=local, rounded=rounded)
+
+
+def _check_state_backward(K, V, key_block, bfloat16, packed, seed, monkeypatch, local=False, rounded=False):
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_KEY_BLOCK", key_block)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_LOCAL_DU", local)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", rounded)
     rng = np.random.default_rng(seed)
     H, scale = 2, 0.3
     if packed:  # sequences of 100 and 30 tokens: chunks (0, 64), (64, 36), (100, 30)
@@ -1122,7 +1142,8 @@ def test_state_backward_key_blocks(K, V, key_block, bfloat16, packed, seed, inte
     d_initial = torch.full((len(spans), H, K, V), float("nan"))
     backward.state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale, "ieee", table,
                             sequence_chunks)
+    tolerance = 1e-2 if rounded else 1e-5
     expected = _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans)
     for name, got, want in zip(("d_leaving", "d_U", "d_initial"), (d_leaving, d_U, d_initial), expected):
         error = (got.double() - want).abs().max() / want.abs().max()  # NaN (an entry not written) fails
-        assert error < 1e-5, (name, error)
+        assert error < tolerance, (name, error)

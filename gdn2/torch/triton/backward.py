@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix, _load_uw,
-                      _sequence_chunks, _table, register_cap, value_block)
+                      _sequence_chunks, _table, chunk_value_block, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -95,6 +95,15 @@ def _store_state_blocks(state, d0, d1, d2, d3, BLOCKS: tl.constexpr, KB: tl.cons
 
 
 @triton.jit
+def _key_rows(x, row0, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
+    """``_key_columns`` transposed, read so from memory ([KB, 64]): a bfloat16 tensor-core
+    operand then reaches shared memory as it is read, with no transpose in registers."""
+    rows = tl.arange(0, 64)
+    cols_k = b * KB + tl.arange(0, KB)
+    return tl.load(x + (row0 + rows[None, :]) * K + cols_k[:, None], mask=(cols_k < K)[:, None], other=0.0)
+
+
+@triton.jit
 def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
     cols_k = b * KB + tl.arange(0, KB)
     return tl.load(gamma + chunk * K + cols_k, mask=cols_k < K, other=0.0)
@@ -104,6 +113,20 @@ def _decays(gamma, chunk, b: tl.constexpr, KB: tl.constexpr, K: tl.constexpr):
 def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr):
     """``dU + kd dS`` for one block of key columns of kd (as stored, widened) and rows of dS."""
     return tl.dot(kd_tile.to(tl.float32), d_state, dU, input_precision=DOT)
+
+
+@triton.jit
+def _add_kd_times_rounded_dS(kd_tile, d_state, dU):
+    """``dU + kd dS`` on bfloat16 operands: kd as stored, dS rounded (flash-linear-attention's
+    product)."""
+    return tl.dot(kd_tile, d_state.to(kd_tile.dtype), dU)
+
+
+@triton.jit
+def _entering_gradient_rounded(d_state, decay, qd_rows, Wk_rows, d_o_tile, dU_rounded, scale):
+    """``_entering_gradient`` on bfloat16 operands: qd^T and Wk^T as read (``_key_rows``), dO as
+    stored (the scale on the product), dU rounded."""
+    return (d_state * decay[:, None] + tl.dot(qd_rows, d_o_tile) * scale - tl.dot(Wk_rows, dU_rounded))
 
 
 @triton.jit
@@ -121,7 +144,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, LOCAL_DU: tl.constexpr, ROUNDED: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -156,54 +179,125 @@ def _state_backward_kernel(
         leaving = d_leaving + chunk * K * V
         _store_state_blocks(leaving, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
-        d_out = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
-        P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
+        d_o_tile = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
+        d_out = d_o_tile.to(tl.float32) * scale
+        values = (row0 + rows[:, None]) * V + cols_v[None, :]
+        if not LOCAL_DU:
+            P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
             kd1 = _key_columns(kd, row0, 1, KB, K)
         if BLOCKS > 2:
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
-        dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        dU = _add_kd_times_dS(kd0, d0, dU, DOT)
-        if BLOCKS > 1:
-            dU = _add_kd_times_dS(kd1, d1, dU, DOT)
-        if BLOCKS > 2:
-            dU = _add_kd_times_dS(kd2, d2, dU, DOT)
-            dU = _add_kd_times_dS(kd3, d3, dU, DOT)
+        if LOCAL_DU:  # scale P^T dO is in d_U already (_local_values_gradient_kernel)
+            dU = tl.load(d_U + values, mask=v_ok[None, :], other=0.0)
+        else:
+            dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+        if ROUNDED:
+            dU = _add_kd_times_rounded_dS(kd0, d0, dU)
+            if BLOCKS > 1:
+                dU = _add_kd_times_rounded_dS(kd1, d1, dU)
+            if BLOCKS > 2:
+                dU = _add_kd_times_rounded_dS(kd2, d2, dU)
+                dU = _add_kd_times_rounded_dS(kd3, d3, dU)
+        else:
+            dU = _add_kd_times_dS(kd0, d0, dU, DOT)
+            if BLOCKS > 1:
+                dU = _add_kd_times_dS(kd1, d1, dU, DOT)
+            if BLOCKS > 2:
+                dU = _add_kd_times_dS(kd2, d2, dU, DOT)
+                dU = _add_kd_times_dS(kd3, d3, dU, DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
-        qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
-        if BLOCKS > 1:
-            qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
-        if BLOCKS > 2:
-            qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
-            qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
-        d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
-        if BLOCKS > 1:
-            d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
-        if BLOCKS > 2:
-            d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
-            d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
+        if ROUNDED:
+            d_o_tile = d_o_tile.to(qd.dtype.element_ty)
+            dU_rounded = dU.to(qd.dtype.element_ty)
+            d0 = _entering_gradient_rounded(d0, _decays(gamma, chunk, 0, KB, K), _key_rows(qd, row0, 0, KB, K),
+                                            _key_rows(Wk, row0, 0, KB, K), d_o_tile, dU_rounded, scale)
+            if BLOCKS > 1:
+                d1 = _entering_gradient_rounded(d1, _decays(gamma, chunk, 1, KB, K), _key_rows(qd, row0, 1, KB, K),
+                                                _key_rows(Wk, row0, 1, KB, K), d_o_tile, dU_rounded, scale)
+            if BLOCKS > 2:
+                d2 = _entering_gradient_rounded(d2, _decays(gamma, chunk, 2, KB, K), _key_rows(qd, row0, 2, KB, K),
+                                                _key_rows(Wk, row0, 2, KB, K), d_o_tile, dU_rounded, scale)
+                d3 = _entering_gradient_rounded(d3, _decays(gamma, chunk, 3, KB, K), _key_rows(qd, row0, 3, KB, K),
+                                                _key_rows(Wk, row0, 3, KB, K), d_o_tile, dU_rounded, scale)
+        else:
+            qd0, Wk0 = _key_columns(qd, row0, 0, KB, K), _key_columns(Wk, row0, 0, KB, K)
+            if BLOCKS > 1:
+                qd1, Wk1 = _key_columns(qd, row0, 1, KB, K), _key_columns(Wk, row0, 1, KB, K)
+            if BLOCKS > 2:
+                qd2, Wk2 = _key_columns(qd, row0, 2, KB, K), _key_columns(Wk, row0, 2, KB, K)
+                qd3, Wk3 = _key_columns(qd, row0, 3, KB, K), _key_columns(Wk, row0, 3, KB, K)
+            d0 = _entering_gradient(d0, _decays(gamma, chunk, 0, KB, K), qd0, Wk0, d_out, dU, DOT)
+            if BLOCKS > 1:
+                d1 = _entering_gradient(d1, _decays(gamma, chunk, 1, KB, K), qd1, Wk1, d_out, dU, DOT)
+            if BLOCKS > 2:
+                d2 = _entering_gradient(d2, _decays(gamma, chunk, 2, KB, K), qd2, Wk2, d_out, dU, DOT)
+                d3 = _entering_gradient(d3, _decays(gamma, chunk, 3, KB, K), qd3, Wk3, d_out, dU, DOT)
     if STORE_INITIAL:
         _store_state_blocks(d_initial + i_bh * K * V, d0, d1, d2, d3, BLOCKS, KB, K, V, cols_v, v_ok)
+
+
+@triton.jit
+def _local_values_gradient_kernel(
+    P, d_o, d_U,  # [B, H, N, 10, 16, 16], [B, T, H, V], [B, H, N * 64, V] (written)
+    chunk_table, scale, T, H, V: tl.constexpr, N, BV: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+):
+    """The in-chunk part of d_U, ``scale P^T dO``, of one chunk, head and block of value columns,
+    for the reverse state pass to add ``kd d_leaving`` to (``STATE_BACKWARD_LOCAL_DU``)."""
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rows = tl.arange(0, 64)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    v_ok = cols_v < V
+    first, end = _chunk_span(chunk_table, i_n, T, PACKED)
+    t = first + rows
+    d_out = tl.load(d_o + i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :],
+                    mask=(t < end)[:, None] & v_ok[None, :], other=0.0).to(tl.float32) * scale
+    P_tile = _load_chunk_matrix(_chunk_matrix(P, i_bh * N + i_n))
+    local = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
+    tl.store(d_U + (i_bh * N * 64 + i_n * 64 + rows[:, None]) * V + cols_v[None, :], local.to(d_U.dtype.element_ty),
+             mask=v_ok[None, :])
+
+
+# Variants to time (off): scale P^T dO made by a parallel launch before the reverse pass, which
+# then reads it from d_U in place of P and dO's product (as flash-linear-attention's pass takes its
+# dv); and the pass's products on bfloat16 operands with bfloat16 saved buffers (the state's
+# gradient and dU rounded for them, qd^T and Wk^T read transposed from memory), in the form of
+# flash-linear-attention's pass.
+STATE_BACKWARD_LOCAL_DU = False
+STATE_BACKWARD_ROUNDED = False
 
 
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
                    chunk_table=None, sequence_chunks=None) -> None:
     """Launch the reverse pass over chunks (writes ``d_leaving``, ``d_U`` and ``d_initial``), one
-    program per state row (batch row, or sequence with packed sequences) and head."""
+    program per state row (batch row, or sequence with packed sequences) and head; with
+    ``STATE_BACKWARD_LOCAL_DU``, ``_local_values_gradient_kernel`` before it."""
     B, T, H, V = d_o.shape
     N, K = d_leaving.shape[2], d_leaving.shape[3]
+    if STATE_BACKWARD_LOCAL_DU:
+        block = chunk_value_block(V)
+        _local_values_gradient_kernel[(triton.cdiv(V, block), N, B * H)](
+            P, d_o, d_U, _table(chunk_table, d_o), scale, T, H, V, N, BV=block, DOT=dot_precision,
+            PACKED=chunk_table is not None, num_warps=4, num_stages=1, **register_cap("local_values_gradient"),
+        )
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     KB = state_backward_key_block(K)
     BV = value_block(V, rows * H, STATE_BACKWARD_MIN_PROGRAMS)
+    bfloat16 = qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16
     _state_backward_kernel[(triton.cdiv(V, BV), rows * H)](
         qd, kd, Wk, gamma, P, d_o,
         d_final if d_final is not None else d_leaving, d_leaving, d_U,
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16),
+        PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, bfloat16),
+        LOCAL_DU=STATE_BACKWARD_LOCAL_DU, ROUNDED=STATE_BACKWARD_ROUNDED and bfloat16 and d_o.dtype == torch.bfloat16,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
