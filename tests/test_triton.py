@@ -1105,7 +1105,8 @@ def test_state_backward_local_and_rounded_forms(K, V, local, rounded, seed, inte
     its own into d_U first) against the float64 recurrence as tightly as the default, and
     ``STATE_BACKWARD_ROUNDED`` (bfloat16 operands: the state's gradient and dU rounded for the
     products, as flash-linear-attention's pass) within bfloat16's rounding (2^-8: a missing or
-    halved term is far outside it), in key blocks of 64 rows, batch and packed."""
+    halved term is far outside it; P rounded too where it is read in the loop), in key blocks of 64
+    rows, batch and packed."""
     for packed in (False, True):
         _check_state_backward(K, V, 64, True, packed, seed, monkeypatch, local=local, rounded=rounded)
 

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix, _load_uw,
-                      _sequence_chunks, _table, chunk_value_block, register_cap, value_block)
+from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
+                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _table, chunk_value_block, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -182,7 +182,9 @@ def _state_backward_kernel(
         d_o_tile = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
         d_out = d_o_tile.to(tl.float32) * scale
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
-        if not LOCAL_DU:
+        if ROUNDED and not LOCAL_DU:  # P^T as read (float32 as stored), rounded for its product
+            P_rows = _load_chunk_matrix_transposed(_chunk_matrix(P, chunk)).to(d_o_tile.dtype)
+        elif not LOCAL_DU:
             P_tile = _load_chunk_matrix(_chunk_matrix(P, chunk))
         kd0 = _key_columns(kd, row0, 0, KB, K)
         if BLOCKS > 1:
@@ -192,6 +194,8 @@ def _state_backward_kernel(
             kd3 = _key_columns(kd, row0, 3, KB, K)
         if LOCAL_DU:  # scale P^T dO is in d_U already (_local_values_gradient_kernel)
             dU = tl.load(d_U + values, mask=v_ok[None, :], other=0.0)
+        elif ROUNDED:
+            dU = tl.dot(P_rows, d_o_tile) * scale
         else:
             dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
         if ROUNDED:

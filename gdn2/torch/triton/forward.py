@@ -483,6 +483,16 @@ def _load_chunk_matrix_stored(matrix):
 
 
 @triton.jit
+def _load_chunk_matrix_transposed(matrix):
+    """``_load_chunk_matrix_stored`` transposed, read so from memory (row j, column i: entry (i, j))."""
+    rows = tl.arange(0, 64)
+    I = rows[None, :] // 16
+    J = rows[:, None] // 16
+    offsets = _tile_index(I, J) * 256 + (rows[None, :] % 16) * 16 + rows[:, None] % 16
+    return tl.load(matrix + offsets, mask=I >= J, other=0.0)
+
+
+@triton.jit
 def _load_chunk_matrix(matrix):
     """``_load_chunk_matrix_stored`` as float32."""
     return _load_chunk_matrix_stored(matrix).to(tl.float32)
