@@ -477,7 +477,8 @@ def main():
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--fla-shapes", default="0,1,2", help="timing shapes at which flash-linear-attention runs")
     parser.add_argument("--check-fla", action="store_true", help="also check flash-linear-attention's errors")
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel GPU times at the first timed shape, and of each variant at each timed shape")
     parser.add_argument("--variants", nargs="?", const="all", default=None, metavar="INDICES",
                         help="time and check gdn2 launch-setting variants: all, or these indices into VARIANTS "
                              "(comma separated: one process per risky variant keeps a crash from ending the run)")
@@ -617,6 +618,8 @@ def main():
                 for index in timed:
                     shape = TIMING_SHAPES[index]
                     timing = dict(time_one(gdn2_kernel, shape, strict=True), **checks)
+                    if args.profile:  # the variant's own launches, ms per forward+backward
+                        timing["profile"] = profile_one(gdn2_kernel, shape)
                     result["variants"].append(dict(variant=variant, shape=list(shape), **timing))
                     print("variant", variant, shape, timing, flush=True)
                     save()
