@@ -52,11 +52,12 @@ STATE_BACKWARD_MIN_PROGRAMS = 256
 # at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
 STATE_BACKWARD_STAGES = 2
 STATE_BACKWARD_MAX_STAGED_K = 64
-# Tried on the H200 (bench/RESULTS.md) and removed: the products on bfloat16 operands, as
-# flash-linear-attention's pass has them (dU, P and the state's gradient rounded to bfloat16, in
-# any combination, or dS split in two bfloat16 parts) ended in an illegal memory access (Triton
-# 3.6), with or without loads ahead; the loads a chunk ahead on float32 saved buffers gave
-# non-finite results; L2 prefetches of the next chunk (``prefetch.global.L2``) made it slower.
+# Tried on the H200 (bench/RESULTS.md) and removed: products on bfloat16 operands beside TF32 ones
+# in the loop (dU, P or the state's gradient rounded, or dS split in two bfloat16 parts) ended in
+# an illegal memory access or non-finite results (Triton 3.6), with or without loads ahead; the
+# loads a chunk ahead on float32 saved buffers gave non-finite results; L2 prefetches of the next
+# chunk (``prefetch.global.L2``) made it slower. Every product on bfloat16 operands ran right
+# (``STATE_BACKWARD_ROUNDED``, below).
 
 
 @triton.jit
