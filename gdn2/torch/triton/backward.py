@@ -194,7 +194,7 @@ def _state_backward_kernel(
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
         if LOCAL_DU:  # scale P^T dO is in d_U already (_local_values_gradient_kernel)
-            dU = tl.load(d_U + values, mask=v_ok[None, :], other=0.0)
+            dU = tl.load(d_U + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
         elif ROUNDED:
             dU = tl.dot(P_rows, d_o_tile) * scale
         else:
