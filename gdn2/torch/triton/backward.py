@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
-                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _table, chunk_value_block, register_cap, value_block)
+                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _table, chunk_value_block,
+                      register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -182,7 +183,6 @@ def _state_backward_kernel(
         value_offsets = i_b * T * H * V + t[:, None] * (H * V) + i_h * V + cols_v[None, :]
         d_o_tile = tl.load(d_o + value_offsets, mask=(t < end)[:, None] & v_ok[None, :], other=0.0)
         d_out = d_o_tile.to(tl.float32) * scale
-        values = (row0 + rows[:, None]) * V + cols_v[None, :]
         if ROUNDED and not LOCAL_DU:  # P^T as read (float32 as stored), rounded for its product
             P_rows = _load_chunk_matrix_transposed(_chunk_matrix(P, chunk)).to(d_o_tile.dtype)
         elif not LOCAL_DU:
@@ -194,7 +194,7 @@ def _state_backward_kernel(
             kd2 = _key_columns(kd, row0, 2, KB, K)
             kd3 = _key_columns(kd, row0, 3, KB, K)
         if LOCAL_DU:  # scale P^T dO is in d_U already (_local_values_gradient_kernel)
-            dU = tl.load(d_U + values, mask=v_ok[None, :], other=0.0).to(tl.float32)
+            dU = tl.load(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0).to(tl.float32)
         elif ROUNDED:
             dU = tl.dot(P_rows, d_o_tile) * scale
         else:
@@ -214,8 +214,7 @@ def _state_backward_kernel(
                 dU = _add_kd_times_dS(kd2, d2, dU, DOT)
                 dU = _add_kd_times_dS(kd3, d3, dU, DOT)
         tl.store(d_U + (row0 + rows[:, None]) * V + cols_v[None, :], dU.to(d_U.dtype.element_ty), mask=v_ok[None, :])
-        if ROUNDED:
-            d_o_tile = d_o_tile.to(qd.dtype.element_ty)
+        if ROUNDED:  # dO bfloat16 as stored (the launch asks for it)
             dU_rounded = dU.to(qd.dtype.element_ty)
             d0 = _entering_gradient_rounded(d0, _decays(gamma, chunk, 0, KB, K), _key_rows(qd, row0, 0, KB, K),
                                             _key_rows(Wk, row0, 0, KB, K), d_o_tile, dU_rounded, scale)
