@@ -1106,9 +1106,18 @@ def test_state_backward_local_and_rounded_forms(K, V, local, rounded, seed, inte
     ``STATE_BACKWARD_ROUNDED`` (bfloat16 operands: the state's gradient and dU rounded for the
     products, as flash-linear-attention's pass) within bfloat16's rounding (2^-8: a missing or
     halved term is far outside it; P rounded too where it is read in the loop), in key blocks of 64
-    rows, batch and packed."""
+    rows, batch and packed. Spies check that each form reached the kernels, and the rounded form's
+    error shows its rounding (the default's, exact here, is below 1e-5)."""
+    from gdn2.torch.triton import backward
+
+    passes = _LaunchSpy(backward._state_backward_kernel)
+    local_launches = _LaunchSpy(backward._local_values_gradient_kernel)
+    monkeypatch.setattr(backward, "_state_backward_kernel", passes)
+    monkeypatch.setattr(backward, "_local_values_gradient_kernel", local_launches)
     for packed in (False, True):
         _check_state_backward(K, V, 64, True, packed, seed, monkeypatch, local=local, rounded=rounded)
+    assert [(launch["LOCAL_DU"], launch["ROUNDED"]) for launch in passes.launches] == [(local, rounded)] * 2
+    assert len(local_launches.launches) == (2 if local else 0)
 
 
 def _check_state_backward(K, V, key_block, bfloat16, packed, seed, monkeypatch, local=False, rounded=False):
@@ -1145,6 +1154,10 @@ def _check_state_backward(K, V, key_block, bfloat16, packed, seed, monkeypatch, 
                             sequence_chunks)
     tolerance = 1e-2 if rounded else 1e-5
     expected = _state_backward_reference(qd, kd, Wk, gamma, P, d_o, d_final, scale, spans)
+    errors = []
     for name, got, want in zip(("d_leaving", "d_U", "d_initial"), (d_leaving, d_U, d_initial), expected):
         error = (got.double() - want).abs().max() / want.abs().max()  # NaN (an entry not written) fails
         assert error < tolerance, (name, error)
+        errors.append(error)
+    if rounded:  # the products' operands were rounded: the exact form's error is far below this
+        assert max(errors) > 1e-4, errors
