@@ -446,16 +446,17 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
     PROGRAMS["output"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
     bw = backward
+    rounded = bw.state_backward_rounded(saved("qd") == "bf16", input_dtype)
     out["state_backward"] = (
         bw._state_backward_kernel,
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32,
              d_leaving=gradient("d_leaving"), d_U=gradient("d_U"), d_initial=f32, chunk_table="i32",
              sequence_chunks="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, KB=bw.state_backward_key_block(K), BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS),
-             HAS_FINAL=True, STORE_INITIAL=True, DOT=dot, PACKED=packed,
-             STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16"), LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU,
-             ROUNDED=bw.STATE_BACKWARD_ROUNDED and saved("qd") == inp == "bf16"),
+        dict(K=K, V=V, KB=bw.state_backward_key_block(K, rounded),
+             BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot,
+             PACKED=packed, STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16", rounded),
+             LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded),
         bw.STATE_BACKWARD_WARPS,
     )
     if bw.STATE_BACKWARD_LOCAL_DU:

@@ -1000,16 +1000,40 @@ def test_state_pass_widens_its_products_without_loads_ahead():
 def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
     """With its loads ahead on (``STATE_BACKWARD_STAGES``), the reverse state pass loads a chunk
     ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with
-    Triton 3.6), at K <= 64 (at 128 it was slower) and over more than one chunk."""
+    Triton 3.6), at K <= 64 in the TF32 loop (at 128 it was slower) and K <= 128 in the rounded
+    loop, and over more than one chunk."""
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)
-    for K in (16, 40, 64):
-        assert backward.state_backward_stages(K, 2, True) == backward.STATE_BACKWARD_STAGES
-        assert backward.state_backward_stages(K, 64, False) == 1
-        assert backward.state_backward_stages(K, 1, True) == 1
-    for K in (65, 128, 256):
-        assert backward.state_backward_stages(K, 64, True) == 1
+    for K in (16, 40, 64, 65, 128, 256):
+        for rounded in (False, True):
+            most = 128 if rounded else 64
+            assert backward.state_backward_stages(K, 2, True, rounded) == (2 if K <= most else 1), (K, rounded)
+            assert backward.state_backward_stages(K, 1, True, rounded) == 1
+        assert backward.state_backward_stages(K, 64, False, False) == 1
+
+
+@kernel_only
+def test_state_backward_default_form_by_dtype(seed, interpreter, monkeypatch):
+    """The reverse pass as the operator launches it by default: bfloat16 inputs (qd, kd, Wk saved in
+    bfloat16, dO bfloat16) take the rounded loop (``STATE_BACKWARD_ROUNDED``) in blocks of 64 key
+    rows, loading a chunk ahead at K = 128; float32 inputs the TF32 loop in one block of 128 rows,
+    without loads ahead. Output, final state and every gradient against the spec (bfloat16 on the
+    rounded inputs); a spy records the launches."""
+    from gdn2.torch.triton import backward
+
+    passes = _LaunchSpy(backward._state_backward_kernel)
+    monkeypatch.setattr(backward, "_state_backward_kernel", passes)
+    for dtype, tolerance in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+        case = make_case(1, 150, 2, 128, 64, seed, log_decay_range=(-3.0, 0.0))
+        if dtype == torch.bfloat16:
+            case = _rounded_case(case, dtype)
+        result = run_torch(case, str(dtype).removeprefix("torch."), path="kernel")
+        error, name, errors = worst_error(result, case["expected"])
+        assert error <= tolerance, (seed, dtype, name, errors)
+    # (the interpreter is probed once a process, at K = 16: not one of these)
+    forms = [(launch["ROUNDED"], launch["KB"], launch["STAGES"]) for launch in passes.launches if launch["K"] == 128]
+    assert forms == [(True, 64, 2), (False, 128, 1)], forms
 
 
 def test_register_caps_name_launches():
@@ -1124,6 +1148,7 @@ def _check_state_backward(K, V, key_block, bfloat16, packed, seed, monkeypatch, 
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_KEY_BLOCK", key_block)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED_KEY_BLOCK", key_block)
     monkeypatch.setattr(backward, "STATE_BACKWARD_LOCAL_DU", local)
     monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", rounded)
     rng = np.random.default_rng(seed)

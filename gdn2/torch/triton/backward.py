@@ -5,7 +5,8 @@
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
   values ``d_U = scale P^T dO + kd d_leaving``; finally the gradient of the initial state. It
   reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here),
-  and holds the state's gradient in blocks of key rows (``STATE_BACKWARD_KEY_BLOCK``).
+  and holds the state's gradient in blocks of key rows; with bfloat16 buffers its products take
+  bfloat16 operands (``STATE_BACKWARD_ROUNDED``).
 * ``intra_backward_contract`` (chunk x head x block of key columns): the state-sized contractions
   ``d_qd = scale dO S^T``, ``d_kd = U d_leaving^T``, ``d_bkd = -X^T (dU S^T)`` and ``d_gamma``.
 * ``intra_backward_values`` (chunk x head): ``dP = scale dO U^T``, ``d(wv) = X^T dU`` (dv, dw) and
@@ -35,30 +36,42 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
-# STATE_BACKWARD_KEY_BLOCK key rows, value blocks shrunk until there are
-# STATE_BACKWARD_MIN_PROGRAMS programs. sm_90a, Triton 3.6 (bench/kernel_resources.py, bf16): at
-# K = V = 128 one block of 128 rows takes 1,224 instructions a chunk and 64 B of spills (the form
-# before the blocks, timed at 0.80 ms on the H200: 1,495 and 328 B), blocks of 64 1,310 and 344 B;
-# at K = 256 one block needs 128 KiB of shared memory (one program a multiprocessor), two blocks
-# of 128 the 112 KiB of the form before (two) with 2,892 instructions a chunk against 3,225.
+# STATE_BACKWARD_KEY_BLOCK key rows (STATE_BACKWARD_ROUNDED_KEY_BLOCK in the rounded form, below),
+# value blocks shrunk until there are STATE_BACKWARD_MIN_PROGRAMS programs. sm_90a, Triton 3.6
+# (bench/kernel_resources.py, bf16 buffers, K = V = 128): the TF32 loop in one block of 128 rows
+# takes 1,293 instructions a chunk and 376 B of spills (blocks of 64: more spills); at K = 256 one block
+# needs 128 KiB of shared memory (one program a multiprocessor), two blocks of 128 the 112 KiB of
+# the form before (two) with 2,892 instructions a chunk against 3,225.
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
+# Every product of the loop on bfloat16 operands where qd, kd, Wk and dO are bfloat16 (the state's
+# gradient and dU rounded for them, qd^T, Wk^T and P^T read transposed from memory), in blocks of
+# 64 key rows loading a chunk ahead at K <= 128: sm_90a 881 instructions a chunk at K = V = 128,
+# no spills, 152.5 KiB of shared memory (one program a multiprocessor, as flash-linear-attention's
+# pass); at K = 256 1,410 instructions, 496 B of spills, 72 KiB. H200 (2026-12-06, three processes, bench/RESULTS.md): the
+# pass 0.70 -> 0.43 ms at B=8 T=4096 H=16 K=V=128 (flash-linear-attention's 0.395, the same
+# rounding), forward+backward 8.19 -> 7.94 ms there and 7.83 -> 7.65 at B=16 T=2048 H=32 K=V=64;
+# the gradients within bfloat16 rounding of the TF32 loop's at 16, 32 and 64 value columns, every
+# bit repeated. Off, or with float32 buffers: the loop's products in TF32.
+STATE_BACKWARD_ROUNDED = True
+STATE_BACKWARD_ROUNDED_KEY_BLOCK = 64
 # Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
-# ``state_backward_stages`` allows it: K <= 64 with bfloat16 saved buffers. H200: forward+backward
-# at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (2026-12-05) and 7.586 -> 7.547 (2026-12-05, a
-# later run), results bit-identical to the loop without loads ahead at 16, 32 and 64 value
-# columns, K = 48 and 64, packed sequences too (bench/RESULTS.md). At K = 128 it lost: one block of
-# 128 key rows takes 120.5 KiB of shared memory (one program a multiprocessor: 8.554 -> 9.215 ms
-# at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
+# ``state_backward_stages`` allows it: bfloat16 saved buffers, at K <= STATE_BACKWARD_MAX_STAGED_K
+# in the TF32 loop and K <= STATE_BACKWARD_ROUNDED_MAX_STAGED_K in the rounded one. The TF32 loop
+# at K = 64, H200: forward+backward at B=16 T=2048 H=32 K=V=64 8.160 -> 8.113 ms (2026-12-05) and
+# 7.586 -> 7.547 (a later run), results bit-identical to the loop without loads ahead at 16, 32
+# and 64 value columns, K = 48 and 64, packed sequences too (bench/RESULTS.md). At K = 128 it
+# lost: one block of 128 key rows takes 120.5 KiB of shared memory (one program a
+# multiprocessor: 8.554 -> 9.215 ms at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
 STATE_BACKWARD_STAGES = 2
 STATE_BACKWARD_MAX_STAGED_K = 64
+STATE_BACKWARD_ROUNDED_MAX_STAGED_K = 128
 # Tried on the H200 (bench/RESULTS.md) and removed: products on bfloat16 operands beside TF32 ones
 # in the loop (dU, P or the state's gradient rounded, or dS split in two bfloat16 parts) ended in
 # an illegal memory access or non-finite results (Triton 3.6), with or without loads ahead; the
 # loads a chunk ahead on float32 saved buffers gave non-finite results; L2 prefetches of the next
-# chunk (``prefetch.global.L2``) made it slower. Every product on bfloat16 operands ran right
-# (``STATE_BACKWARD_ROUNDED``, below).
+# chunk (``prefetch.global.L2``) made it slower. Every product on bfloat16 operands ran right.
 
 
 @triton.jit
@@ -268,13 +281,11 @@ def _local_values_gradient_kernel(
              mask=v_ok[None, :])
 
 
-# Variants to time (off): scale P^T dO made by a parallel launch before the reverse pass, which
+# A variant to time (off): scale P^T dO made by a parallel launch before the reverse pass, which
 # then reads it from d_U in place of P and dO's product (as flash-linear-attention's pass takes its
-# dv); and the pass's products on bfloat16 operands with bfloat16 saved buffers (the state's
-# gradient and dU rounded for them, qd^T and Wk^T read transposed from memory), in the form of
-# flash-linear-attention's pass.
+# dv). H100 (2026-12-05): with the rounded loop the pass 0.743 -> 0.503 ms, but the launch took
+# 0.23 ms: forward+backward unchanged.
 STATE_BACKWARD_LOCAL_DU = False
-STATE_BACKWARD_ROUNDED = False
 
 
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
@@ -291,36 +302,48 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
             PACKED=chunk_table is not None, num_warps=4, num_stages=1, **register_cap("local_values_gradient"),
         )
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
-    KB = state_backward_key_block(K)
-    BV = value_block(V, rows * H, STATE_BACKWARD_MIN_PROGRAMS)
     bfloat16 = qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16
+    rounded = state_backward_rounded(bfloat16, d_o.dtype)
+    KB = state_backward_key_block(K, rounded)
+    BV = value_block(V, rows * H, STATE_BACKWARD_MIN_PROGRAMS)
     _state_backward_kernel[(triton.cdiv(V, BV), rows * H)](
         qd, kd, Wk, gamma, P, d_o,
         d_final if d_final is not None else d_leaving, d_leaving, d_U,
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, bfloat16),
-        LOCAL_DU=STATE_BACKWARD_LOCAL_DU, ROUNDED=STATE_BACKWARD_ROUNDED and bfloat16 and d_o.dtype == torch.bfloat16,
+        PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, bfloat16, rounded),
+        LOCAL_DU=STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
 
-def state_backward_stages(K: int, N: int, bfloat16: bool) -> int:
+def state_backward_rounded(bfloat16: bool, d_o_dtype: torch.dtype) -> bool:
+    """Whether the reverse pass runs its products on bfloat16 operands (``STATE_BACKWARD_ROUNDED``):
+    qd, kd and Wk saved in bfloat16 (``bfloat16``) and dO bfloat16."""
+    return STATE_BACKWARD_ROUNDED and bfloat16 and d_o_dtype == torch.bfloat16
+
+
+def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool) -> int:
     """The reverse pass's ``STAGES``: loads a chunk ahead (``STATE_BACKWARD_STAGES``) only with
     qd, kd and Wk saved in bfloat16 (with float32 buffers Triton 3.6 builds the loop wrong for the
-    H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` (above, it was slower) and
+    H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` in the TF32 loop (above, it
+    was slower) or ``STATE_BACKWARD_ROUNDED_MAX_STAGED_K`` in the rounded one (``rounded``), and
     over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead)."""
-    return STATE_BACKWARD_STAGES if bfloat16 and K <= STATE_BACKWARD_MAX_STAGED_K and N > 1 else 1
+    most = STATE_BACKWARD_ROUNDED_MAX_STAGED_K if rounded else STATE_BACKWARD_MAX_STAGED_K
+    return STATE_BACKWARD_STAGES if bfloat16 and K <= most and N > 1 else 1
 
 
-def state_backward_key_block(K: int) -> int:
-    """Key rows of the state per block in the reverse pass (``STATE_BACKWARD_KEY_BLOCK``, at most
-    the padded K; four blocks at most)."""
+def state_backward_key_block(K: int, rounded: bool) -> int:
+    """Key rows of the state per block in the reverse pass (``STATE_BACKWARD_KEY_BLOCK``, or
+    ``STATE_BACKWARD_ROUNDED_KEY_BLOCK`` in the rounded loop; at most the padded K; four blocks at
+    most)."""
+    setting = STATE_BACKWARD_ROUNDED_KEY_BLOCK if rounded else STATE_BACKWARD_KEY_BLOCK
     BK = max(16, triton.next_power_of_2(K))
-    KB = min(STATE_BACKWARD_KEY_BLOCK, BK)
+    KB = min(setting, BK)
     if BK > 4 * KB:
-        raise ValueError(f"STATE_BACKWARD_KEY_BLOCK: expected at least {BK // 4} for K={K}, received {KB}")
+        name = "STATE_BACKWARD_ROUNDED_KEY_BLOCK" if rounded else "STATE_BACKWARD_KEY_BLOCK"
+        raise ValueError(f"{name}: expected at least {BK // 4} for K={K}, received {setting}")
     return KB
 
 
