@@ -456,7 +456,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(K=K, V=V, KB=bw.state_backward_key_block(K, rounded),
              BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot,
              PACKED=packed, STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16", rounded),
-             LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded),
+             LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded, SPLIT_DS=bw.STATE_BACKWARD_SPLIT_DS),
         bw.STATE_BACKWARD_WARPS,
     )
     if bw.STATE_BACKWARD_LOCAL_DU:

@@ -100,19 +100,20 @@ VARIANTS: list[dict] = [
     # the inverse launch without its register cap (146 registers) and at two warps: 1.962 and 1.976 against 1.942 ms
     dict(MAX_REGISTERS={launch: cap for launch, cap in MAX_REGISTERS.items() if launch != "inverse"}),
     dict(INVERSE_WARPS=2),
-    # the reverse state pass with the state's gradient in blocks of 64 key rows (sm_90a, Triton 3.6:
+    # 7-10, the reverse pass's TF32 loop (the default before 2026-12-06; STATE_BACKWARD_ROUNDED
+    # off): the state's gradient in blocks of 64 key rows (sm_90a, Triton 3.6:
     # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B; H200 2026-12-05:
     # forward+backward 8.705 / 8.157 ms against 8.547 / 8.153)
-    dict(STATE_BACKWARD_KEY_BLOCK=64),
+    dict(STATE_BACKWARD_ROUNDED=False, STATE_BACKWARD_KEY_BLOCK=64),
     # the reverse state pass loading a chunk ahead at K = 128 too (bf16 saved buffers), in blocks
     # of 64 key rows (sm_90a: 104.5 KiB of shared memory, 516 B of spills; H200 2026-12-05:
     # forward+backward 8.656 ms against 8.554 at the first shape) or in one block of 128 (120.5
     # KiB, one program a multiprocessor: 9.215)
-    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_KEY_BLOCK=64),
-    dict(STATE_BACKWARD_STAGES=2, STATE_BACKWARD_MAX_STAGED_K=128),
-    # the reverse state pass without loads ahead at K <= 64 (the default before 2026-12-05's fifth
-    # run: 7.586 against 7.547 ms forward+backward at the third shape, bit-identical)
-    dict(STATE_BACKWARD_STAGES=1),
+    dict(STATE_BACKWARD_ROUNDED=False, STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_KEY_BLOCK=64),
+    dict(STATE_BACKWARD_ROUNDED=False, STATE_BACKWARD_MAX_STAGED_K=128),
+    # without loads ahead at K <= 64 (the default before 2026-12-05's fifth run: 7.586 against
+    # 7.547 ms forward+backward at the third shape, bit-identical)
+    dict(STATE_BACKWARD_ROUNDED=False, STATE_BACKWARD_STAGES=1),
     # the default before 2026-12-05's run: d_leaving in float32 and the in-chunk backward's
     # products widened (H200: forward+backward 8.327 / 7.952 ms against the default's 8.027 /
     # 7.720 at the first and third shapes); d_U in bfloat16 too (every contraction product on
@@ -147,29 +148,26 @@ VARIANTS: list[dict] = [
     # the reverse pass at 8 warps capped at 128
     # registers; the state forward at 8 warps, capped at 128 registers or not (bit-identical at
     # the five agreement shapes, then non-finite at B=1 T=200 H=2 K=V=128 and an illegal memory
-    # access); the reverse pass's products on bfloat16 operands (dU, P and dS rounded in any
-    # combination: illegal memory accesses); the diagonal tiles made by the intra-forward launch
+    # access); the reverse pass's products on bfloat16 operands beside TF32 ones (dU, P and dS
+    # rounded in part: illegal memory accesses); the diagonal tiles made by the intra-forward launch
     # (forward 2.57 against 1.87 ms); L2 prefetches in the reverse pass (slower). Triton 3.6.
     # Tried on an H100 (2026-12-05) and removed, no faster: the state forward's Wk S on the state
     # rounded to bfloat16 (2.088 / 2.087 against 2.085 / 2.087 ms forward, first shape, two
     # processes); the intra-forward launch over the heads in reverse order (2.076 / 2.083).
-    # the reverse pass in the form of flash-linear-attention's: scale P^T dO made first by a launch
-    # of its own into d_U (STATE_BACKWARD_LOCAL_DU), the products on bfloat16 operands (the state's
-    # gradient and dU rounded for them, qd^T and Wk^T read transposed: STATE_BACKWARD_ROUNDED) in
-    # blocks of 64 key rows; sm_90a, Triton 3.6, K = V = 128: 709 instructions a chunk against
-    # 1,293, no spills, 48 KiB of shared memory; loading one chunk ahead at K = 128 too (152.5 KiB,
-    # one program a multiprocessor, as fla's pass at 3 stages), two (225 KiB), in value blocks of
-    # 32 (185 KiB at 3 stages); products only (P^T dO in the loop); with d_U in bfloat16
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
-         STATE_BACKWARD_MAX_STAGED_K=128),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
-         STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_STAGES=3),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
-         STATE_BACKWARD_MAX_STAGED_K=128, STATE_BACKWARD_STAGES=3, STATE_BACKWARD_MIN_PROGRAMS=512),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_KEY_BLOCK=64, STATE_BACKWARD_MAX_STAGED_K=128),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_KEY_BLOCK=64,
-         STATE_BACKWARD_MAX_STAGED_K=128, GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
+    # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (the rounded loop, every
+    # product on bfloat16 operands, is the default since: H200 0.70 -> 0.43 ms at the first shape)
+    dict(STATE_BACKWARD_ROUNDED=False),
+    # 22: the rounded loop with kd dS on the state's gradient in two bfloat16 parts
+    # (STATE_BACKWARD_SPLIT_DS: the rounding of dS, not of dU or P, is what raised the worst
+    # gradient error on the CPU; sm_90a K = V = 128: 1,170 instructions a chunk against 881, 28 B
+    # of spills)
+    dict(STATE_BACKWARD_SPLIT_DS=True),
+    # 23-25: scale P^T dO made first by a launch of its own into d_U (STATE_BACKWARD_LOCAL_DU; H100
+    # 2026-12-05: the loop 0.743 -> 0.503 ms, the launch 0.23 ms; 709 instructions a chunk, no
+    # spills); at three stages (225 KiB); with d_U in bfloat16
+    dict(STATE_BACKWARD_LOCAL_DU=True),
+    dict(STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_STAGES=3),
+    dict(STATE_BACKWARD_LOCAL_DU=True, GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
 ]
 
 

@@ -1123,15 +1123,17 @@ def test_state_backward_key_blocks(K, V, key_block, bfloat16, packed, seed, inte
 
 
 @pytest.mark.parametrize("K, V", [(128, 64), (200, 24), (48, 16)], ids=lambda x: str(x))
-@pytest.mark.parametrize("local, rounded", [(True, False), (False, True), (True, True)],
-                         ids=["local_dU", "rounded", "local_dU_rounded"])
-def test_state_backward_local_and_rounded_forms(K, V, local, rounded, seed, interpreter, monkeypatch):
+@pytest.mark.parametrize("local, rounded, split", [(True, False, False), (False, True, False), (True, True, False),
+                                                   (False, True, True)],
+                         ids=["local_dU", "rounded", "local_dU_rounded", "rounded_split_dS"])
+def test_state_backward_local_and_rounded_forms(K, V, local, rounded, split, seed, interpreter, monkeypatch):
     """The reverse pass's variants: ``STATE_BACKWARD_LOCAL_DU`` (scale P^T dO made by a launch of
     its own into d_U first) against the float64 recurrence as tightly as the default, and
     ``STATE_BACKWARD_ROUNDED`` (bfloat16 operands: the state's gradient and dU rounded for the
     products, as flash-linear-attention's pass) within bfloat16's rounding (2^-8: a missing or
-    halved term is far outside it; P rounded too where it is read in the loop), in key blocks of 64
-    rows, batch and packed. Spies check that each form reached the kernels, and the rounded form's
+    halved term is far outside it; P rounded too where it is read in the loop; with
+    ``STATE_BACKWARD_SPLIT_DS`` kd dS on the state's gradient in two bfloat16 parts), in key
+    blocks of 64 rows, batch and packed. Spies check that each form reached the kernels, and the rounded form's
     error shows its rounding (the default's, exact here, is below 1e-5)."""
     from gdn2.torch.triton import backward
 
@@ -1139,9 +1141,11 @@ def test_state_backward_local_and_rounded_forms(K, V, local, rounded, seed, inte
     local_launches = _LaunchSpy(backward._local_values_gradient_kernel)
     monkeypatch.setattr(backward, "_state_backward_kernel", passes)
     monkeypatch.setattr(backward, "_local_values_gradient_kernel", local_launches)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_SPLIT_DS", split)
     for packed in (False, True):
         _check_state_backward(K, V, 64, True, packed, seed, monkeypatch, local=local, rounded=rounded)
-    assert [(launch["LOCAL_DU"], launch["ROUNDED"]) for launch in passes.launches] == [(local, rounded)] * 2
+    assert [(launch["LOCAL_DU"], launch["ROUNDED"], launch["SPLIT_DS"]) for launch in passes.launches] == [
+        (local, rounded, split)] * 2
     assert len(local_launches.launches) == (2 if local else 0)
 
 

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
-                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _table, chunk_value_block,
-                      register_cap, value_block)
+                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _split_dot, _table,
+                      chunk_value_block, register_cap, value_block)
 
 
 # The reverse state pass: programs of STATE_BACKWARD_WARPS warps, the state's gradient in blocks of
@@ -159,7 +159,7 @@ def _state_backward_kernel(
     chunk_table, sequence_chunks, scale, T, H, K: tl.constexpr, V: tl.constexpr, N,
     KB: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL: tl.constexpr, STORE_INITIAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, LOCAL_DU: tl.constexpr, ROUNDED: tl.constexpr,
+    STAGES: tl.constexpr, LOCAL_DU: tl.constexpr, ROUNDED: tl.constexpr, SPLIT_DS: tl.constexpr,
 ):
     """The state's gradient as up to four blocks of KB key rows (``d0`` .. ``d3``, as many as K
     needs), each block's [64, KB] tiles of kd, qd and Wk read where they are used."""
@@ -212,7 +212,14 @@ def _state_backward_kernel(
             dU = tl.dot(P_rows, d_o_tile) * scale
         else:
             dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        if ROUNDED:
+        if ROUNDED and SPLIT_DS:  # kd as stored, the state's gradient in two bfloat16 parts
+            dU = _split_dot(kd0, d0, dU)
+            if BLOCKS > 1:
+                dU = _split_dot(kd1, d1, dU)
+            if BLOCKS > 2:
+                dU = _split_dot(kd2, d2, dU)
+                dU = _split_dot(kd3, d3, dU)
+        elif ROUNDED:
             dU = _add_kd_times_rounded_dS(kd0, d0, dU)
             if BLOCKS > 1:
                 dU = _add_kd_times_rounded_dS(kd1, d1, dU)
@@ -286,6 +293,9 @@ def _local_values_gradient_kernel(
 # dv). H100 (2026-12-05): with the rounded loop the pass 0.743 -> 0.503 ms, but the launch took
 # 0.23 ms: forward+backward unchanged.
 STATE_BACKWARD_LOCAL_DU = False
+# A variant to time (off): in the rounded loop, kd dS on the state's gradient split into two
+# bfloat16 parts (``_split_dot``) rather than rounded once.
+STATE_BACKWARD_SPLIT_DS = False
 
 
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
@@ -313,7 +323,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
         PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, bfloat16, rounded),
-        LOCAL_DU=STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded,
+        LOCAL_DU=STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded, SPLIT_DS=STATE_BACKWARD_SPLIT_DS,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
 
