@@ -1014,16 +1014,18 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
 
 
 @kernel_only
-def test_state_backward_default_form_by_dtype(seed, interpreter, monkeypatch):
-    """The reverse pass as the operator launches it by default: bfloat16 inputs (qd, kd, Wk saved in
-    bfloat16, dO bfloat16) take the rounded loop (``STATE_BACKWARD_ROUNDED``) in blocks of 64 key
-    rows, loading a chunk ahead at K = 128; float32 inputs the TF32 loop in one block of 128 rows,
-    without loads ahead. Output, final state and every gradient against the spec (bfloat16 on the
-    rounded inputs); a spy records the launches."""
+@pytest.mark.parametrize("rounded", [False, True], ids=["default", "rounded"])
+def test_state_backward_form_by_dtype(rounded, seed, interpreter, monkeypatch):
+    """The reverse pass as the operator launches it: by default the TF32 loop in one block of 128
+    key rows, without loads ahead at K = 128, whatever the dtype; with ``STATE_BACKWARD_ROUNDED``,
+    bfloat16 inputs (qd, kd, Wk saved in bfloat16, dO bfloat16) take the rounded loop in blocks of
+    64 rows loading a chunk ahead, float32 inputs still the TF32 loop. Output, final state and
+    every gradient against the spec (bfloat16 on the rounded inputs); a spy records the launches."""
     from gdn2.torch.ops import interpreter_problem
     from gdn2.torch.triton import backward
 
     assert interpreter_problem() is None  # its one probe of the kernels runs before the spy
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", rounded)
     passes = _LaunchSpy(backward._state_backward_kernel)
     monkeypatch.setattr(backward, "_state_backward_kernel", passes)
     for dtype, tolerance in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
@@ -1034,7 +1036,7 @@ def test_state_backward_default_form_by_dtype(seed, interpreter, monkeypatch):
         error, name, errors = worst_error(result, case["expected"])
         assert error <= tolerance, (seed, dtype, name, errors)
     forms = [(launch["ROUNDED"], launch["KB"], launch["STAGES"]) for launch in passes.launches]
-    assert forms == [(True, 64, 2), (False, 128, 1)], forms
+    assert forms == [(True, 64, 2) if rounded else (False, 128, 1), (False, 128, 1)], forms
 
 
 def test_register_caps_name_launches():

@@ -5,8 +5,8 @@
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
   values ``d_U = scale P^T dO + kd d_leaving``; finally the gradient of the initial state. It
   reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here),
-  and holds the state's gradient in blocks of key rows; with bfloat16 buffers its products take
-  bfloat16 operands (``STATE_BACKWARD_ROUNDED``).
+  and holds the state's gradient in blocks of key rows (its products on bfloat16 operands with
+  bfloat16 buffers: ``STATE_BACKWARD_ROUNDED``, off).
 * ``intra_backward_contract`` (chunk x head x block of key columns): the state-sized contractions
   ``d_qd = scale dO S^T``, ``d_kd = U d_leaving^T``, ``d_bkd = -X^T (dU S^T)`` and ``d_gamma``.
 * ``intra_backward_values`` (chunk x head): ``dP = scale dO U^T``, ``d(wv) = X^T dU`` (dv, dw) and
@@ -53,8 +53,11 @@ STATE_BACKWARD_MIN_PROGRAMS = 256
 # pass 0.70 -> 0.43 ms at B=8 T=4096 H=16 K=V=128 (flash-linear-attention's 0.395, the same
 # rounding), forward+backward 8.19 -> 7.94 ms there and 7.83 -> 7.65 at B=16 T=2048 H=32 K=V=64;
 # the gradients within bfloat16 rounding of the TF32 loop's at 16, 32 and 64 value columns, every
-# bit repeated. Off, or with float32 buffers: the loop's products in TF32.
-STATE_BACKWARD_ROUNDED = True
+# bit repeated. Not the default: the state's gradient rounded for kd dS raised the worst gradient
+# error above flash-linear-attention's at one of 18 CPU draws (db 1.36e-2 against 8.75e-3; the
+# TF32 loop 8.16e-3; with STATE_BACKWARD_SPLIT_DS, below, 7.82e-3; bench/RESULTS.md). Off, or with
+# float32 buffers: the loop's products in TF32.
+STATE_BACKWARD_ROUNDED = False
 STATE_BACKWARD_ROUNDED_KEY_BLOCK = 64
 # Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
 # ``state_backward_stages`` allows it: bfloat16 saved buffers, at K <= STATE_BACKWARD_MAX_STAGED_K
@@ -294,7 +297,9 @@ def _local_values_gradient_kernel(
 # 0.23 ms: forward+backward unchanged.
 STATE_BACKWARD_LOCAL_DU = False
 # A variant to time (off): in the rounded loop, kd dS on the state's gradient split into two
-# bfloat16 parts (``_split_dot``) rather than rounded once.
+# bfloat16 parts (``_split_dot``) rather than rounded once: the CPU errors of the TF32 loop (18
+# draws, bench/RESULTS.md); sm_90a K = V = 128: 1,170 instructions a chunk against 881, 28 B of
+# spills.
 STATE_BACKWARD_SPLIT_DS = False
 
 
