@@ -446,7 +446,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
     PROGRAMS["output"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
     bw = backward
-    rounded = bw.state_backward_rounded(saved("qd") == "bf16", input_dtype)
+    rounded = bw.state_backward_rounded(saved("qd") == "bf16", input_dtype, K)
     out["state_backward"] = (
         bw._state_backward_kernel,
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32,

@@ -100,8 +100,8 @@ VARIANTS: list[dict] = [
     # the inverse launch without its register cap (146 registers) and at two warps: 1.962 and 1.976 against 1.942 ms
     dict(MAX_REGISTERS={launch: cap for launch, cap in MAX_REGISTERS.items() if launch != "inverse"}),
     dict(INVERSE_WARPS=2),
-    # 7-10, the reverse pass's TF32 loop (the default; STATE_BACKWARD_ROUNDED off): the state's
-    # gradient in blocks of 64 key rows (sm_90a, Triton 3.6:
+    # 7-10, the reverse pass's TF32 loop (the default with float32 buffers or K > 128;
+    # STATE_BACKWARD_ROUNDED off): the state's gradient in blocks of 64 key rows (sm_90a, Triton 3.6:
     # 1,310 instructions a chunk, 344 B of spills, against 1,224 and 64 B; H200 2026-12-05:
     # forward+backward 8.705 / 8.157 ms against 8.547 / 8.153)
     dict(STATE_BACKWARD_ROUNDED=False, STATE_BACKWARD_KEY_BLOCK=64),
@@ -154,21 +154,20 @@ VARIANTS: list[dict] = [
     # Tried on an H100 (2026-12-05) and removed, no faster: the state forward's Wk S on the state
     # rounded to bfloat16 (2.088 / 2.087 against 2.085 / 2.087 ms forward, first shape, two
     # processes); the intra-forward launch over the heads in reverse order (2.076 / 2.083).
-    # 21: the reverse pass's rounded loop, every product on bfloat16 operands, 64 key rows a block,
-    # loads a chunk ahead at K <= 128 (STATE_BACKWARD_ROUNDED; H200 2026-12-06: the pass 0.70 ->
-    # 0.43 ms at the first shape, right in three processes; not the default: the rounded dS raised
-    # the worst CPU gradient error above fla's at one of 18 draws)
-    dict(STATE_BACKWARD_ROUNDED=True),
-    # 22: 21 with kd dS on the state's gradient in two bfloat16 parts (STATE_BACKWARD_SPLIT_DS: the
-    # TF32 loop's CPU errors; sm_90a K = V = 128: 1,170 instructions a chunk against 881, 28 B of
-    # spills)
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_SPLIT_DS=True),
-    # 23-25: 21 with scale P^T dO made first by a launch of its own into d_U
-    # (STATE_BACKWARD_LOCAL_DU; H100 2026-12-05: the loop 0.743 -> 0.503 ms, the launch 0.23 ms;
-    # 709 instructions a chunk, no spills); at three stages (225 KiB); with d_U in bfloat16
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_STAGES=3),
-    dict(STATE_BACKWARD_ROUNDED=True, STATE_BACKWARD_LOCAL_DU=True, GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
+    # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
+    # every product on bfloat16 operands, the state's gradient split for kd dS; H100 0.739 ->
+    # 0.499 ms at the first shape)
+    dict(STATE_BACKWARD_ROUNDED=False),
+    # 22: the rounded loop with the state's gradient rounded once for kd dS (H200 2026-12-06: the
+    # pass 0.43 ms, right in three processes; its worst gradient error rose above fla's on one
+    # draw, on the CPU and on the GPU)
+    dict(STATE_BACKWARD_SPLIT_DS=False),
+    # 23-25: scale P^T dO made first by a launch of its own into d_U (STATE_BACKWARD_LOCAL_DU; H100
+    # 2026-12-05, with dS rounded once: the loop 0.743 -> 0.503 ms, the launch 0.23 ms); at three
+    # stages (225 KiB); with d_U in bfloat16
+    dict(STATE_BACKWARD_LOCAL_DU=True),
+    dict(STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_STAGES=3),
+    dict(STATE_BACKWARD_LOCAL_DU=True, GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
 ]
 
 

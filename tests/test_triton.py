@@ -1014,13 +1014,15 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
 
 
 @kernel_only
-@pytest.mark.parametrize("rounded", [False, True], ids=["default", "rounded"])
+@pytest.mark.parametrize("rounded", [True, False], ids=["default", "tf32"])
 def test_state_backward_form_by_dtype(rounded, seed, interpreter, monkeypatch):
-    """The reverse pass as the operator launches it: by default the TF32 loop in one block of 128
-    key rows, without loads ahead at K = 128, whatever the dtype; with ``STATE_BACKWARD_ROUNDED``,
-    bfloat16 inputs (qd, kd, Wk saved in bfloat16, dO bfloat16) take the rounded loop in blocks of
-    64 rows loading a chunk ahead, float32 inputs still the TF32 loop. Output, final state and
-    every gradient against the spec (bfloat16 on the rounded inputs); a spy records the launches."""
+    """The reverse pass as the operator launches it at K = 128: with ``STATE_BACKWARD_ROUNDED`` (the
+    default) bfloat16 inputs (qd, kd, Wk saved in bfloat16, dO bfloat16) take the rounded loop,
+    the state's gradient split for kd dS, in blocks of 64 key rows loading a chunk ahead, float32
+    inputs the TF32 loop in one block of 128 rows without loads ahead; without it, both the TF32
+    loop. Output, final state and every gradient against the spec (bfloat16 on the rounded
+    inputs); a spy records the launches. Above ``STATE_BACKWARD_ROUNDED_MAX_K`` (128) the rounded
+    loop never runs (its split form made an illegal memory access at K = 256 on an H100)."""
     from gdn2.torch.ops import interpreter_problem
     from gdn2.torch.triton import backward
 
@@ -1035,8 +1037,12 @@ def test_state_backward_form_by_dtype(rounded, seed, interpreter, monkeypatch):
         result = run_torch(case, str(dtype).removeprefix("torch."), path="kernel")
         error, name, errors = worst_error(result, case["expected"])
         assert error <= tolerance, (seed, dtype, name, errors)
-    forms = [(launch["ROUNDED"], launch["KB"], launch["STAGES"]) for launch in passes.launches]
-    assert forms == [(True, 64, 2) if rounded else (False, 128, 1), (False, 128, 1)], forms
+    forms = [(launch["ROUNDED"], launch["SPLIT_DS"], launch["KB"], launch["STAGES"]) for launch in passes.launches]
+    assert forms == [(True, True, 64, 2) if rounded else (False, True, 128, 1), (False, True, 128, 1)], forms
+    assert backward.state_backward_rounded(True, torch.bfloat16, 128) == rounded
+    assert not backward.state_backward_rounded(True, torch.bfloat16, 129)
+    assert not backward.state_backward_rounded(True, torch.float32, 64)
+    assert not backward.state_backward_rounded(False, torch.bfloat16, 64)
 
 
 def test_register_caps_name_launches():

@@ -5,8 +5,8 @@
   the gradient of the state leaving each chunk, ``d_leaving``, and the full gradient of the new
   values ``d_U = scale P^T dO + kd d_leaving``; finally the gradient of the initial state. It
   reads the decayed queries and keys and ``gamma`` that the forward saved (no exponentials here),
-  and holds the state's gradient in blocks of key rows (its products on bfloat16 operands with
-  bfloat16 buffers: ``STATE_BACKWARD_ROUNDED``, off).
+  and holds the state's gradient in blocks of key rows; with bfloat16 buffers at K <= 128 its
+  products take bfloat16 operands (``STATE_BACKWARD_ROUNDED``).
 * ``intra_backward_contract`` (chunk x head x block of key columns): the state-sized contractions
   ``d_qd = scale dO S^T``, ``d_kd = U d_leaving^T``, ``d_bkd = -X^T (dU S^T)`` and ``d_gamma``.
 * ``intra_backward_values`` (chunk x head): ``dP = scale dO U^T``, ``d(wv) = X^T dU`` (dv, dw) and
@@ -45,19 +45,24 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
 STATE_BACKWARD_MIN_PROGRAMS = 256
-# Every product of the loop on bfloat16 operands where qd, kd, Wk and dO are bfloat16 (the state's
-# gradient and dU rounded for them, qd^T, Wk^T and P^T read transposed from memory), in blocks of
-# 64 key rows loading a chunk ahead at K <= 128: sm_90a 881 instructions a chunk at K = V = 128,
-# no spills, 152.5 KiB of shared memory (one program a multiprocessor, as flash-linear-attention's
-# pass); at K = 256 1,410 instructions, 496 B of spills, 72 KiB. H200 (2026-12-06, three processes, bench/RESULTS.md): the
-# pass 0.70 -> 0.43 ms at B=8 T=4096 H=16 K=V=128 (flash-linear-attention's 0.395, the same
-# rounding), forward+backward 8.19 -> 7.94 ms there and 7.83 -> 7.65 at B=16 T=2048 H=32 K=V=64;
-# the gradients within bfloat16 rounding of the TF32 loop's at 16, 32 and 64 value columns, every
-# bit repeated. Not the default: the state's gradient rounded for kd dS raised the worst gradient
-# error above flash-linear-attention's at one of 18 CPU draws (db 1.36e-2 against 8.75e-3; the
-# TF32 loop 8.16e-3; with STATE_BACKWARD_SPLIT_DS, below, 7.82e-3; bench/RESULTS.md). Off, or with
-# float32 buffers: the loop's products in TF32.
-STATE_BACKWARD_ROUNDED = False
+# Every product of the loop on bfloat16 operands where qd, kd, Wk and dO are bfloat16 and K <=
+# STATE_BACKWARD_ROUNDED_MAX_K (qd^T, Wk^T and P^T read transposed from memory; dU rounded for
+# its products; the state's gradient split into two bfloat16 parts for kd dS,
+# STATE_BACKWARD_SPLIT_DS), in blocks of 64 key rows loading a chunk ahead. sm_90a, K = V = 128:
+# 1,170 instructions a chunk against the TF32 loop's 1,293, 28 B of spills against 376, 152.5 KiB
+# of shared memory (one program a multiprocessor, as flash-linear-attention's pass). H100
+# (2026-12-06, three processes, bench/RESULTS.md): the pass 0.739 -> 0.499 ms at B=8 T=4096 H=16
+# K=V=128, forward+backward 8.39 -> 8.15 ms there and 8.00 -> 7.88 at B=16 T=2048 H=32 K=V=64;
+# the gradients within 2e-3 of the TF32 loop's at 16, 32 and 64 value columns, every bit
+# repeated, every check shape right. The state's gradient rounded once instead (SPLIT_DS off;
+# H200: the pass 0.43 ms) raised the worst bfloat16 gradient error above
+# flash-linear-attention's at one of 18 CPU draws (db 1.36e-2 against 8.75e-3; split 7.82e-3, the
+# TF32 loop 8.16e-3) and on the GPU (1.26e-2 against the split form's 7.82e-3 on one draw). At
+# K = 256 (four blocks of 64 rows) the split form made an illegal memory access (H100, Triton
+# 3.6): the TF32 loop runs there. Off, or with float32 buffers: the loop's products in TF32.
+STATE_BACKWARD_ROUNDED = True
+STATE_BACKWARD_SPLIT_DS = True
+STATE_BACKWARD_ROUNDED_MAX_K = 128
 STATE_BACKWARD_ROUNDED_KEY_BLOCK = 64
 # Chunks whose loads Triton issues ahead (asynchronous copies to shared memory; 1: none), where
 # ``state_backward_stages`` allows it: bfloat16 saved buffers, at K <= STATE_BACKWARD_MAX_STAGED_K
@@ -134,9 +139,11 @@ def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr):
 
 
 @triton.jit
-def _add_kd_times_rounded_dS(kd_tile, d_state, dU):
-    """``dU + kd dS`` on bfloat16 operands: kd as stored, dS rounded (flash-linear-attention's
-    product)."""
+def _add_kd_times_rounded_dS(kd_tile, d_state, dU, SPLIT: tl.constexpr):
+    """``dU + kd dS`` on bfloat16 operands: kd as stored, dS in two bfloat16 parts (``SPLIT``:
+    ``_split_dot``) or rounded once (flash-linear-attention's product)."""
+    if SPLIT:
+        return _split_dot(kd_tile, d_state, dU)
     return tl.dot(kd_tile, d_state.to(kd_tile.dtype), dU)
 
 
@@ -215,20 +222,13 @@ def _state_backward_kernel(
             dU = tl.dot(P_rows, d_o_tile) * scale
         else:
             dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
-        if ROUNDED and SPLIT_DS:  # kd as stored, the state's gradient in two bfloat16 parts
-            dU = _split_dot(kd0, d0, dU)
+        if ROUNDED:
+            dU = _add_kd_times_rounded_dS(kd0, d0, dU, SPLIT_DS)
             if BLOCKS > 1:
-                dU = _split_dot(kd1, d1, dU)
+                dU = _add_kd_times_rounded_dS(kd1, d1, dU, SPLIT_DS)
             if BLOCKS > 2:
-                dU = _split_dot(kd2, d2, dU)
-                dU = _split_dot(kd3, d3, dU)
-        elif ROUNDED:
-            dU = _add_kd_times_rounded_dS(kd0, d0, dU)
-            if BLOCKS > 1:
-                dU = _add_kd_times_rounded_dS(kd1, d1, dU)
-            if BLOCKS > 2:
-                dU = _add_kd_times_rounded_dS(kd2, d2, dU)
-                dU = _add_kd_times_rounded_dS(kd3, d3, dU)
+                dU = _add_kd_times_rounded_dS(kd2, d2, dU, SPLIT_DS)
+                dU = _add_kd_times_rounded_dS(kd3, d3, dU, SPLIT_DS)
         else:
             dU = _add_kd_times_dS(kd0, d0, dU, DOT)
             if BLOCKS > 1:
@@ -296,11 +296,6 @@ def _local_values_gradient_kernel(
 # dv). H100 (2026-12-05): with the rounded loop the pass 0.743 -> 0.503 ms, but the launch took
 # 0.23 ms: forward+backward unchanged.
 STATE_BACKWARD_LOCAL_DU = False
-# A variant to time (off): in the rounded loop, kd dS on the state's gradient split into two
-# bfloat16 parts (``_split_dot``) rather than rounded once: the CPU errors of the TF32 loop (18
-# draws, bench/RESULTS.md); sm_90a K = V = 128: 1,170 instructions a chunk against 881, 28 B of
-# spills.
-STATE_BACKWARD_SPLIT_DS = False
 
 
 def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial, scale: float, dot_precision: str,
@@ -318,7 +313,7 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         )
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     bfloat16 = qd.dtype == kd.dtype == Wk.dtype == torch.bfloat16
-    rounded = state_backward_rounded(bfloat16, d_o.dtype)
+    rounded = state_backward_rounded(bfloat16, d_o.dtype, K)
     KB = state_backward_key_block(K, rounded)
     BV = value_block(V, rows * H, STATE_BACKWARD_MIN_PROGRAMS)
     _state_backward_kernel[(triton.cdiv(V, BV), rows * H)](
@@ -333,10 +328,11 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
     )
 
 
-def state_backward_rounded(bfloat16: bool, d_o_dtype: torch.dtype) -> bool:
+def state_backward_rounded(bfloat16: bool, d_o_dtype: torch.dtype, K: int) -> bool:
     """Whether the reverse pass runs its products on bfloat16 operands (``STATE_BACKWARD_ROUNDED``):
-    qd, kd and Wk saved in bfloat16 (``bfloat16``) and dO bfloat16."""
-    return STATE_BACKWARD_ROUNDED and bfloat16 and d_o_dtype == torch.bfloat16
+    qd, kd and Wk saved in bfloat16 (``bfloat16``), dO bfloat16 and K <=
+    ``STATE_BACKWARD_ROUNDED_MAX_K``."""
+    return STATE_BACKWARD_ROUNDED and bfloat16 and d_o_dtype == torch.bfloat16 and K <= STATE_BACKWARD_ROUNDED_MAX_K
 
 
 def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool) -> int:
