@@ -79,7 +79,8 @@ STATE_BACKWARD_ROUNDED_MAX_STAGED_K = 128
 # in the loop (dU, P or the state's gradient rounded, or dS split in two bfloat16 parts) ended in
 # an illegal memory access or non-finite results (Triton 3.6), with or without loads ahead; the
 # loads a chunk ahead on float32 saved buffers gave non-finite results; L2 prefetches of the next
-# chunk (``prefetch.global.L2``) made it slower. Every product on bfloat16 operands ran right.
+# chunk (``prefetch.global.L2``) made it slower. Every product on bfloat16 operands ran right at
+# K <= 128 (STATE_BACKWARD_ROUNDED).
 
 
 @triton.jit
