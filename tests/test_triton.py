@@ -1141,8 +1141,8 @@ def test_state_backward_local_and_rounded_forms(K, V, local, rounded, split, see
     products, as flash-linear-attention's pass) within bfloat16's rounding (2^-8: a missing or
     halved term is far outside it; P rounded too where it is read in the loop; with
     ``STATE_BACKWARD_SPLIT_DS`` kd dS on the state's gradient in two bfloat16 parts), in key
-    blocks of 64 rows, batch and packed. Spies check that each form reached the kernels, and the rounded form's
-    error shows its rounding (the default's, exact here, is below 1e-5)."""
+    blocks of 64 rows, batch and packed. Spies check that each form reached the kernels, and the
+    rounded form's error shows its rounding (the TF32 loop's, exact here, is below 1e-5)."""
     from gdn2.torch.triton import backward
 
     passes = _LaunchSpy(backward._state_backward_kernel)

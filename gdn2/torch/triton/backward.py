@@ -140,7 +140,7 @@ def _add_kd_times_dS(kd_tile, d_state, dU, DOT: tl.constexpr):
 
 
 @triton.jit
-def _add_kd_times_rounded_dS(kd_tile, d_state, dU, SPLIT: tl.constexpr):
+def _add_kd_times_dS_bfloat16(kd_tile, d_state, dU, SPLIT: tl.constexpr):
     """``dU + kd dS`` on bfloat16 operands: kd as stored, dS in two bfloat16 parts (``SPLIT``:
     ``_split_dot``) or rounded once (flash-linear-attention's product)."""
     if SPLIT:
@@ -224,12 +224,12 @@ def _state_backward_kernel(
         else:
             dU = tl.dot(tl.trans(P_tile), d_out, input_precision=DOT)
         if ROUNDED:
-            dU = _add_kd_times_rounded_dS(kd0, d0, dU, SPLIT_DS)
+            dU = _add_kd_times_dS_bfloat16(kd0, d0, dU, SPLIT_DS)
             if BLOCKS > 1:
-                dU = _add_kd_times_rounded_dS(kd1, d1, dU, SPLIT_DS)
+                dU = _add_kd_times_dS_bfloat16(kd1, d1, dU, SPLIT_DS)
             if BLOCKS > 2:
-                dU = _add_kd_times_rounded_dS(kd2, d2, dU, SPLIT_DS)
-                dU = _add_kd_times_rounded_dS(kd3, d3, dU, SPLIT_DS)
+                dU = _add_kd_times_dS_bfloat16(kd2, d2, dU, SPLIT_DS)
+                dU = _add_kd_times_dS_bfloat16(kd3, d3, dU, SPLIT_DS)
         else:
             dU = _add_kd_times_dS(kd0, d0, dU, DOT)
             if BLOCKS > 1:
