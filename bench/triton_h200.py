@@ -151,9 +151,8 @@ VARIANTS: list[dict] = [
     # access); the reverse pass's products on bfloat16 operands beside TF32 ones (dU, P and dS
     # rounded in part: illegal memory accesses); the diagonal tiles made by the intra-forward launch
     # (forward 2.57 against 1.87 ms); L2 prefetches in the reverse pass (slower). Triton 3.6.
-    # Tried on an H100 (2026-12-05) and removed, no faster: the state forward's Wk S on the state
-    # rounded to bfloat16 (2.088 / 2.087 against 2.085 / 2.087 ms forward, first shape, two
-    # processes); the intra-forward launch over the heads in reverse order (2.076 / 2.083).
+    # Tried on an H100 (2026-12-05) and removed, no faster: the intra-forward launch over the heads
+    # in reverse order (2.076 / 2.083 against 2.085 / 2.087 ms forward, first shape, two processes).
     # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
     # every product on bfloat16 operands, the state's gradient split for kd dS; H100 0.739 ->
     # 0.499 ms at the first shape)
@@ -168,6 +167,11 @@ VARIANTS: list[dict] = [
     dict(STATE_BACKWARD_LOCAL_DU=True),
     dict(STATE_BACKWARD_LOCAL_DU=True, STATE_BACKWARD_STAGES=3),
     dict(STATE_BACKWARD_LOCAL_DU=True, GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
+    # 26: the state forward's Wk S on the state split in two bfloat16 parts, the default before
+    # 2026-12-06 (since: on the state rounded once, STATE_FORWARD_ROUNDED_STATE; sm_90a: 1,160
+    # instructions a chunk against 851; H100, four processes: forward 2.025 against 2.012 ms at
+    # the first shape)
+    dict(STATE_FORWARD_ROUNDED_STATE=False),
 ]
 
 

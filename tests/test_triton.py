@@ -389,6 +389,8 @@ def _bfloat16_products(monkeypatch, on: bool) -> None:
 
     for name in ("STATE_BFLOAT16_PRODUCTS", "OUTPUT_BFLOAT16_PRODUCT", "WY_BFLOAT16_PRODUCTS"):
         monkeypatch.setattr(forward, name, on)
+    # the split form of the state pass's Wk S (the rounded state's own test: test_state_forward_rounded_state)
+    monkeypatch.setattr(forward, "STATE_FORWARD_ROUNDED_STATE", False)
 
 
 @kernel_only
@@ -997,6 +999,36 @@ def test_state_pass_widens_its_products_without_loads_ahead():
             assert not forward.state_split_products(False, forward.state_stages(BK, N))
 
 
+@kernel_only
+def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
+    """``STATE_FORWARD_ROUNDED_STATE`` (the default): ``Wk S`` on the state rounded to bfloat16 in
+    the state pass's split form (a spy checks that it reached the kernel, and only there). o moves
+    (by about 1e-4 of its norm: one rounding of S), the final state barely; every error against
+    the spec, o's and every gradient's, stays within 10% (plus 1e-4) of the split state's (three
+    chunks, a hard reset)."""
+    from gdn2.torch.triton import forward
+
+    case = _rounded_case(make_case(1, 130, 1, 64, 32, seed, log_decay_range=(-3.0, 0.0)), torch.bfloat16)
+    case["inputs"]["g"][0, 90, 0] = -np.inf
+    spy = _LaunchSpy(forward._state_forward_kernel)
+    monkeypatch.setattr(forward, "_state_forward_kernel", spy)
+    runs, errors = [], []
+    for rounded in (False, True):
+        monkeypatch.setattr(forward, "STATE_FORWARD_ROUNDED_STATE", rounded)
+        spy.launches.clear()
+        runs.append(run_torch(case, "bfloat16", path="kernel"))
+        errors.append(worst_error(runs[-1], case["expected"])[2])
+        split = [launch["ROUNDED_STATE"] for launch in spy.launches if launch["SPLIT"]]
+        assert split and set(split) == {rounded}
+        assert not any(launch["ROUNDED_STATE"] for launch in spy.launches if not launch["SPLIT"])
+    for name in ("o", "final_state"):
+        exact, rounded = (torch.as_tensor(np.asarray(run[name], dtype=np.float64)) for run in runs)
+        difference = (rounded - exact).norm() / exact.norm()
+        assert 0 < difference < 1e-3, (name, difference.item())
+    for name, error in errors[1].items():
+        assert error <= 1.1 * errors[0][name] + 1e-4, (seed, name, error, errors[0][name])
+
+
 def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
     """With its loads ahead on (``STATE_BACKWARD_STAGES``), the reverse state pass loads a chunk
     ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with
@@ -1029,7 +1061,7 @@ def test_state_backward_form_by_dtype(seed, interpreter, monkeypatch):
     passes = _LaunchSpy(backward._state_backward_kernel)
     monkeypatch.setattr(backward, "_state_backward_kernel", passes)
     for dtype, tolerance in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
-        case = make_case(1, 100, 1, 128, 32, seed, log_decay_range=(-3.0, 0.0))
+        case = make_case(1, 66, 1, 128, 16, seed, log_decay_range=(-3.0, 0.0))  # two chunks: loads ahead
         if dtype == torch.bfloat16:
             case = _rounded_case(case, dtype)
         result = run_torch(case, str(dtype).removeprefix("torch."), path="kernel")

@@ -73,6 +73,13 @@ OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
+# With the state pass's split products, ``Wk S`` on the state rounded to bfloat16 (one product, as
+# flash-linear-attention's pass has it; the state is saved so rounded anyway) in place of the
+# state split in two parts; the update ``kd^T U`` stays split (on a rounded U the final state's
+# error was 3-8x). sm_90a: 851 instructions a chunk against 1,160 at K = V = 128; H100 (four
+# processes): forward 2.025 -> 2.012 ms at B=8 T=4096 H=16 K=V=128, the pass 0.308 -> 0.297;
+# errors against the spec as the split form's (bench/RESULTS.md).
+STATE_FORWARD_ROUNDED_STATE = True
 # b k exp(G) written into Wk's own buffer when Wk is bfloat16 (one more rounding, half the bytes
 # of the float32 scratch): no faster (with Uw and U in bfloat16, 1.975 against 1.972 ms forward).
 DECAYED_ERASE_KEYS_IN_WK = False
@@ -878,7 +885,7 @@ def _state_forward_kernel(
     sequence_chunks, H, K: tl.constexpr, V: tl.constexpr, N,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, ROUNDED_STATE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)  # the state's row: batch row (or sequence) and head
@@ -903,14 +910,22 @@ def _state_forward_kernel(
         values = (row0 + rows[:, None]) * V + cols_v[None, :]
         decay = tl.load(gamma + (head * N + i_n) * K + cols_k, mask=k_ok, other=0.0)
         U = _load_uw(Uw + values, Uw_scale + (head * N + i_n) * V + cols_v, v_ok)
+        # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
+        # ran on inputs with the bad values replaced by 0, so that no earlier row saw them). The
+        # NaN is added to the decayed state, the products' accumulator: one FFMA an entry where a
+        # select after the update took a multiply and a select.
+        poison = tl.where(tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64, float("nan"), 0.0)
         if SPLIT:  # Wk and kd as stored (bfloat16), the state and U split (_split_dot)
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
-            U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
+            if ROUNDED_STATE:  # Wk S on S rounded to bfloat16 as stored above: one product
+                U -= tl.dot(Wk_tile, state.to(tl.bfloat16))
+            else:
+                U -= _split_dot(Wk_tile, state, tl.zeros((64, BV), dtype=tl.float32))
             tl.store(U_out + values, U.to(U_out.dtype.element_ty), mask=v_ok[None, :])
             # the state update on U as computed, not as saved: on a bfloat16 U as saved, one
             # product, the final state's error was 3-8x, o's the same (bench/RESULTS.md)
-            state = _split_dot(tl.trans(kd_tile), U, state * decay[:, None])
+            state = _split_dot(tl.trans(kd_tile), U, state * decay[:, None] + poison[None, :])
         else:
             # Products in float32 (TF32), every operand widened: float32 or float16 saved buffers,
             # or STATE_BFLOAT16_PRODUCTS off (an earlier form of this loop on bfloat16 operands was
@@ -919,11 +934,7 @@ def _state_forward_kernel(
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0).to(tl.float32)
             U -= tl.dot(Wk_tile, state, input_precision=DOT)
             tl.store(U_out + values, U.to(U_out.dtype.element_ty), mask=v_ok[None, :])
-            state = state * decay[:, None] + tl.dot(tl.trans(kd_tile), U, input_precision=DOT)
-        # A bad input in this chunk: its value columns of the state leaving it are NaN (the chunk
-        # ran on inputs with the bad values replaced by 0, so that no earlier row saw them).
-        poisoned = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64
-        state = tl.where(poisoned[None, :], float("nan"), state)
+            state = tl.dot(tl.trans(kd_tile), U, state * decay[:, None] + poison[None, :], input_precision=DOT)
     if STORE_FINAL:
         tl.store(final_state + i_bh * K * V + state_offsets, state, mask=state_mask)
 
@@ -972,6 +983,7 @@ def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states,
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
     stages = state_stages(BK, N)
+    split = state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, Uw_scale, gamma, first_bad,
         initial_state if initial_state is not None else states,
@@ -979,7 +991,7 @@ def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
-        SPLIT=state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
+        SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE, num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
