@@ -68,8 +68,8 @@ STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
-# Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with the
-# state and U split into two bfloat16 parts each (``_split_dot``; Wk and kd bfloat16), the
+# Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with U split
+# into two bfloat16 parts (``_split_dot``; Wk and kd bfloat16; the state rounded or split, below), the
 # output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
@@ -915,7 +915,7 @@ def _state_forward_kernel(
         # NaN is added to the decayed state, the products' accumulator: one FFMA an entry where a
         # select after the update took a multiply and a select.
         poison = tl.where(tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64, float("nan"), 0.0)
-        if SPLIT:  # Wk and kd as stored (bfloat16), the state and U split (_split_dot)
+        if SPLIT:  # Wk and kd as stored (bfloat16), U split (_split_dot), the state rounded or split
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
             if ROUNDED_STATE:  # Wk S on S rounded to bfloat16 as stored above: one product
@@ -965,9 +965,9 @@ def state_stages(BK: int, N: int) -> int:
 
 
 def state_split_products(bfloat16: bool, stages: int) -> bool:
-    """Whether the state pass runs its products on Wk and kd as stored, the state and U split
-    (``_split_dot``): with ``STATE_BFLOAT16_PRODUCTS``, Wk and kd bfloat16 (``bfloat16``) and the
-    loads issued ahead (``stages`` > 1). Triton 3.6 builds the split form without loads ahead
+    """Whether the state pass runs its products on Wk and kd as stored, U (and the state, unless
+    ``STATE_FORWARD_ROUNDED_STATE``) split (``_split_dot``): with ``STATE_BFLOAT16_PRODUCTS``, Wk
+    and kd bfloat16 (``bfloat16``) and the loads issued ahead (``stages`` > 1). Triton 3.6 builds the split form without loads ahead
     wrong for the H200: an illegal memory access at K = 256 (bench/RESULTS.md), where the
     widened form is right, and an invalid shared memory read over one chunk (N = 1: B=1 T=1 H=2
     K=48 V=80, found by compute-sanitizer after a fault there), where ``state_stages`` is 1 now."""
