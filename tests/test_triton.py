@@ -1008,7 +1008,7 @@ def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
     chunks, a hard reset)."""
     from gdn2.torch.triton import forward
 
-    case = _rounded_case(make_case(1, 130, 1, 64, 32, seed, log_decay_range=(-3.0, 0.0)), torch.bfloat16)
+    case = _rounded_case(make_case(1, 130, 1, 32, 16, seed, log_decay_range=(-3.0, 0.0)), torch.bfloat16)
     case["inputs"]["g"][0, 90, 0] = -np.inf
     spy = _LaunchSpy(forward._state_forward_kernel)
     monkeypatch.setattr(forward, "_state_forward_kernel", spy)
