@@ -153,6 +153,10 @@ VARIANTS: list[dict] = [
     # (forward 2.57 against 1.87 ms); L2 prefetches in the reverse pass (slower). Triton 3.6.
     # Tried on an H100 (2026-12-05) and removed, no faster: the intra-forward launch over the heads
     # in reverse order (2.076 / 2.083 against 2.085 / 2.087 ms forward, first shape, two processes).
+    # Tried on an H100 (2026-12-06), no faster: the output launch's qd S over key blocks of 128
+    # (OUTPUT_KEY_BLOCK=128: one step at K = 128, 72 registers against 84) or 32: forward 2.025 /
+    # 2.021 and 2.019 / 2.021 ms against the default's 2.014 / 2.013 at the first shape (two
+    # processes), 2.006 / 2.005 and 2.040 / 2.037 against 2.011 / 2.006 at the third.
     # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
     # every product on bfloat16 operands, the state's gradient split for kd dS; H100 0.739 ->
     # 0.499 ms at the first shape)
