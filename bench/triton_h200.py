@@ -156,7 +156,9 @@ VARIANTS: list[dict] = [
     # Tried on an H100 (2026-12-06), no faster: the output launch's qd S over key blocks of 128
     # (OUTPUT_KEY_BLOCK=128: one step at K = 128, 72 registers against 84) or 32: forward 2.025 /
     # 2.021 and 2.019 / 2.021 ms against the default's 2.014 / 2.013 at the first shape (two
-    # processes), 2.006 / 2.005 and 2.040 / 2.037 against 2.011 / 2.006 at the third.
+    # processes), 2.006 / 2.005 and 2.040 / 2.037 against 2.011 / 2.006 at the third. The rounded
+    # reverse pass in smaller value blocks (STATE_BACKWARD_MIN_PROGRAMS=1024: 32 columns at the
+    # third shape, 16 at the first): the pass 0.389 -> 0.427 and 0.50 -> 1.20 ms.
     # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
     # every product on bfloat16 operands, the state's gradient split for kd dS; H100 0.739 ->
     # 0.499 ms at the first shape)
