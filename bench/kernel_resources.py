@@ -424,14 +424,13 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["diagonal"] = [key_blocks_of(fk.diagonal_key_block(K))]
     PROGRAMS["diagonal"] = 4 * chunks * heads
     state_stages = fk.state_stages(bk, chunks)
-    state_split = fk.state_split_products(saved("Wk") == saved("kd") == "bf16", state_stages)
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), Uw_scale=f32, gamma=f32, first_bad="i32", initial_state=f32,
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
         {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
                  PACKED=packed, STAGES=state_stages,
-                 SPLIT=state_split, ROUNDED_STATE=state_split and fk.STATE_FORWARD_ROUNDED_STATE),
+                 **fk.state_products(saved("Wk") == saved("kd") == "bf16", state_stages)),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]

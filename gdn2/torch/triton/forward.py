@@ -914,7 +914,8 @@ def _state_forward_kernel(
         # ran on inputs with the bad values replaced by 0, so that no earlier row saw them). The
         # NaN is added to the decayed state, the products' accumulator: one FFMA an entry where a
         # select after the update took a multiply and a select.
-        poison = tl.where(tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64) < 64, float("nan"), 0.0)
+        first_bad_row = tl.load(first_bad + (head * N + i_n) * V + cols_v, mask=v_ok, other=64)
+        poison = tl.where(first_bad_row < 64, float("nan"), 0.0)
         if SPLIT:  # Wk and kd as stored (bfloat16), U split (_split_dot), the state rounded or split
             Wk_tile = tl.load(Wk + keys, mask=k_ok[None, :], other=0.0)
             kd_tile = tl.load(kd + keys, mask=k_ok[None, :], other=0.0)
@@ -967,11 +968,19 @@ def state_stages(BK: int, N: int) -> int:
 def state_split_products(bfloat16: bool, stages: int) -> bool:
     """Whether the state pass runs its products on Wk and kd as stored, U (and the state, unless
     ``STATE_FORWARD_ROUNDED_STATE``) split (``_split_dot``): with ``STATE_BFLOAT16_PRODUCTS``, Wk
-    and kd bfloat16 (``bfloat16``) and the loads issued ahead (``stages`` > 1). Triton 3.6 builds the split form without loads ahead
-    wrong for the H200: an illegal memory access at K = 256 (bench/RESULTS.md), where the
-    widened form is right, and an invalid shared memory read over one chunk (N = 1: B=1 T=1 H=2
-    K=48 V=80, found by compute-sanitizer after a fault there), where ``state_stages`` is 1 now."""
+    and kd bfloat16 (``bfloat16``) and the loads issued ahead (``stages`` > 1). Triton 3.6 builds
+    the split form without loads ahead wrong for the H200: an illegal memory access at K = 256
+    (bench/RESULTS.md), where the widened form is right, and an invalid shared memory read over
+    one chunk (N = 1: B=1 T=1 H=2 K=48 V=80, found by compute-sanitizer after a fault there),
+    where ``state_stages`` is 1 now."""
     return STATE_BFLOAT16_PRODUCTS and bfloat16 and stages > 1
+
+
+def state_products(bfloat16: bool, stages: int) -> dict:
+    """The state pass's ``SPLIT`` and ``ROUNDED_STATE`` (``state_split_products``; the rounded
+    state only in the split form), as the launch passes them."""
+    split = state_split_products(bfloat16, stages)
+    return dict(SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE)
 
 
 def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states, U, final_state, dot_precision: str,
@@ -983,7 +992,6 @@ def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states,
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V, rows * H)
     stages = state_stages(BK, N)
-    split = state_split_products(Wk.dtype == kd.dtype == torch.bfloat16, stages)
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, Uw_scale, gamma, first_bad,
         initial_state if initial_state is not None else states,
@@ -991,7 +999,7 @@ def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
         PACKED=sequence_chunks is not None, STAGES=stages,
-        SPLIT=split, ROUNDED_STATE=split and STATE_FORWARD_ROUNDED_STATE, num_warps=STATE_WARPS, num_stages=1,
+        **state_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
