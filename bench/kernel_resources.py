@@ -439,14 +439,14 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._output_kernel,
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=fk.chunk_value_block(V), DOT=dot, PACKED=packed,
-             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT and saved("qd") == saved_states == "bf16"),
+        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=fk.output_value_block(V), DOT=dot, PACKED=packed,
+             BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT),
         fk.OUTPUT_WARPS,
     )
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
-    PROGRAMS["output"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
+    PROGRAMS["output"] = -(-V // fk.output_value_block(V)) * chunks * heads
     bw = backward
-    rounded = bw.state_backward_rounded(saved("qd") == "bf16", input_dtype, K)
+    rounded = bw.state_backward_rounded(saved("qd") == "bf16", input_dtype, K, chunks)
     out["state_backward"] = (
         bw._state_backward_kernel,
         dict(qd=saved("qd"), kd=saved("kd"), Wk=saved("Wk"), gamma=f32, P=saved("P"), d_o=inp, d_final=f32,

@@ -113,7 +113,7 @@ WIDEST_BFLOAT16 = ("states", "qd", "kd", "Wk", "Uw", "U", "P", "inverse")
 
 @kernel_only
 def test_kernel_bfloat16_saved_buffers_widest(seed, interpreter, monkeypatch):
-    """Every saved buffer that can be bfloat16 kept in bfloat16 (and b k exp(G) in Wk's buffer):
+    """Every saved buffer that can be bfloat16 kept in bfloat16 (b k exp(G) in Wk's buffer):
     output, final state and every gradient against the spec on the same, rounded inputs (several
     chunks, T not a multiple of 64, K != V, g in [-20, 0]). The tolerance: bench/saved_precision.py
     at this shape with two heads (--shapes 2), 20 seeds, worst error over o, the final state and
@@ -122,7 +122,7 @@ def test_kernel_bfloat16_saved_buffers_widest(seed, interpreter, monkeypatch):
     from gdn2.torch.triton import forward
 
     monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", WIDEST_BFLOAT16)
-    # b k exp(G) in Wk's bfloat16 buffer too: the WY launch's products on bfloat16 X and bkd
+    # b k exp(G) in Wk's bfloat16 buffer (the default): the WY launch's products on bfloat16 X and bkd
     monkeypatch.setattr(forward, "DECAYED_ERASE_KEYS_IN_WK", True)
     case = make_case(1, 130, 1, 64, 48, seed, log_decay_range=(-20.0, 0.0))
     case = _rounded_case(case, torch.bfloat16)
@@ -371,7 +371,11 @@ def _close(name, widened, other, tolerance, bfloat16, one_step_share=0.01):
     """``other``'s difference from ``widened`` within ``tolerance`` of the widened's norm, leaving
     out, with bfloat16 results, the entries one rounding step apart (a value that lands near a tie
     rounds either way, whatever its float32 difference); at most ``one_step_share`` of the entries
-    may be such (a difference of a tenth of a step moves about a tenth of them)."""
+    above 2^-16 of the largest may be such (a difference of a tenth of a step moves about a tenth
+    of them). Entries below that, a gradient near zero made of cancelling terms, move by the
+    float32 rounding of their terms, which is many of their own steps (dg at g in [-20, 0], T = 70:
+    4,147 of 4,480 entries below 1e-3 of the largest, 74-162 of them a step apart with w v split
+    in the WY products, the whole difference 1e-9 to 6e-7 of the norm): the norm judges them."""
     ok = ~torch.isnan(widened)
     assert torch.equal(ok, ~torch.isnan(other)), name
     widened, other = widened.double()[ok], other.double()[ok]
@@ -379,7 +383,8 @@ def _close(name, widened, other, tolerance, bfloat16, one_step_share=0.01):
     if bfloat16:
         magnitude = torch.maximum(widened.abs(), other.abs()).clamp_min(1e-30)
         one_step = (difference != 0) & (difference.abs() <= 2.0 ** (torch.floor(torch.log2(magnitude)) - 7))
-        assert one_step.sum() <= one_step_share * one_step.numel(), (name, one_step.sum().item(), one_step.numel())
+        counted = one_step & (magnitude > 2.0 ** -16 * magnitude.max())
+        assert counted.sum() <= one_step_share * one_step.numel(), (name, counted.sum().item(), one_step.numel())
         difference = difference[~one_step]
     assert difference.norm() / widened.norm() <= tolerance, (name, (difference.norm() / widened.norm()).item())
 
@@ -397,17 +402,14 @@ def _bfloat16_products(monkeypatch, on: bool) -> None:
 @pytest.mark.parametrize("in_bfloat16", [None, WIDEST_BFLOAT16], ids=["default", "widest"])
 def test_bfloat16_products_match_the_widened(in_bfloat16, seed, interpreter, monkeypatch):
     """The products on bfloat16 operands (the state forward's with the state and U split into two
-    bfloat16 parts, the output's qd S; with the widest saved set and b k exp(G) in Wk's buffer,
-    the WY launch's on X and bkd, w v split) give the widened products' results up to float32
-    rounding (a split value is within 2^-16 of its float32 one): output, final state and saved
-    buffers from several chunks on, with a hard reset and a NaN in v (its columns NaN from its
-    row on); and, with the default saved set, every gradient (with one into the final state),
-    which also stay within the bfloat16 tolerance of the spec."""
+    bfloat16 parts, the output's qd S and P U, the WY launch's on X and bkd with w v split) give
+    the widened products' results up to float32 rounding (a split value is within 2^-16 of its
+    float32 one): output, final state and saved buffers from several chunks on, with a hard reset
+    and a NaN in v (its columns NaN from its row on); and, with the default saved set, every
+    gradient (with one into the final state), which also stay within the bfloat16 tolerance of
+    the spec."""
     if in_bfloat16 is not None:
-        from gdn2.torch.triton import forward
-
         monkeypatch.setattr(kernel, "SAVED_IN_BFLOAT16", in_bfloat16)
-        monkeypatch.setattr(forward, "DECAYED_ERASE_KEYS_IN_WK", True)
 
     case = make_case(1, 140, 1, 64, 48, seed, log_decay_range=(-3.0, 0.0))
     (q, k, v, g, b, w), state = _inputs(case, torch.bfloat16)
@@ -1069,12 +1071,13 @@ def test_state_backward_form_by_dtype(seed, interpreter, monkeypatch):
         assert error <= tolerance, (seed, dtype, name, errors)
     forms = [(launch["ROUNDED"], launch["SPLIT_DS"], launch["KB"], launch["STAGES"]) for launch in passes.launches]
     assert forms == [(True, True, 64, 2), (False, True, 128, 1)], forms
-    assert backward.state_backward_rounded(True, torch.bfloat16, 128)
-    assert not backward.state_backward_rounded(True, torch.bfloat16, 129)
-    assert not backward.state_backward_rounded(True, torch.float32, 64)
-    assert not backward.state_backward_rounded(False, torch.bfloat16, 64)
+    assert backward.state_backward_rounded(True, torch.bfloat16, 128, 2)
+    assert not backward.state_backward_rounded(True, torch.bfloat16, 128, 1)  # one chunk: the TF32 loop
+    assert not backward.state_backward_rounded(True, torch.bfloat16, 129, 2)
+    assert not backward.state_backward_rounded(True, torch.float32, 64, 2)
+    assert not backward.state_backward_rounded(False, torch.bfloat16, 64, 2)
     monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", False)
-    assert not backward.state_backward_rounded(True, torch.bfloat16, 64)
+    assert not backward.state_backward_rounded(True, torch.bfloat16, 64, 2)
 
 
 def test_register_caps_name_launches():

@@ -105,8 +105,15 @@ SAVED = ("qd", "kd", "gamma", "Wk", "Uw", "Uw_scale", "P", "inverse", "states", 
 # U before its rounding); it took the forward from 2.054 / 2.302 / 2.149 ms to 2.005 / 2.269 /
 # 2.081 at the three shapes of bench/triton_h200.py (H200). Uw raises the worst gradient's error
 # (5.0e-3 -> 6.1e-3, db; over 18 draws beside fla, the largest 9.60e-3 against fla's 8.99e-3).
+# P raises o's error about 1.06x (the paired study's first shape, four seeds: 3.94-4.03e-3 ->
+# 4.24-4.28e-3; fla's 4.40e-3 at the GPU check's draws) and leaves every gradient as it was (the
+# reverse pass rounds P for its product anyway); the output and the reverse pass read half its
+# bytes: H100, B=8 T=4096 H=16 K=V=128, the output launch 0.278 -> 0.246 ms, the forward 2.01 ->
+# 1.96 (bench/RESULTS.md). The inverse X, with b k exp(G) in Wk's buffer (forward.py's
+# DECAYED_ERASE_KEYS_IN_WK): the WY products on both as stored, forward 1.96 -> 1.87 ms, errors
+# over 18 CPU draws as before.
 # float16 inputs keep every buffer in float32 (a state entry may pass float16's 65504).
-SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U")
+SAVED_IN_BFLOAT16 = ("states", "qd", "kd", "Wk", "U", "P", "inverse")
 # With bfloat16 inputs and Uw not named above, Uw saved in float16 over its largest magnitude per
 # chunk and value column (``Uw_scale``, float32; 1 where Uw is not float16): half the bytes of
 # float32 whatever Uw's range, rounded to 2^-11 of each value (of the column's largest below 2^-14

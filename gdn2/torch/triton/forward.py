@@ -68,9 +68,11 @@ STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
+OUTPUT_VALUE_BLOCK = 64  # value columns per program of the output launch
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with U split
 # into two bfloat16 parts (``_split_dot``; Wk and kd bfloat16; the state rounded or split, below), the
-# output's qd S (both bfloat16, exact as they are). Off: every product widened to float32 (TF32).
+# output's qd S and P U where both operands are bfloat16 as stored (exact as they are). Off: every
+# product widened to float32 (TF32).
 STATE_BFLOAT16_PRODUCTS = True  # 2.853 -> 2.712 ms forward (H200, B=8 T=4096 H=16 K=V=128)
 OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 11.440 -> 11.116)
 # With the state pass's split products, ``Wk S`` on the state rounded to bfloat16 (one product, as
@@ -81,8 +83,12 @@ OUTPUT_BFLOAT16_PRODUCT = True  # 2.853 -> 2.726; both 2.580 (forward+backward 1
 # errors against the spec as the split form's (bench/RESULTS.md).
 STATE_FORWARD_ROUNDED_STATE = True
 # b k exp(G) written into Wk's own buffer when Wk is bfloat16 (one more rounding, half the bytes
-# of the float32 scratch): no faster (with Uw and U in bfloat16, 1.975 against 1.972 ms forward).
-DECAYED_ERASE_KEYS_IN_WK = False
+# of the float32 scratch). Alone no faster (1.975 against 1.972 ms forward, 2026-12-03); with the
+# inverse saved in bfloat16 too (``SAVED_IN_BFLOAT16``) the WY products run on both as stored:
+# H100, B=8 T=4096 H=16 K=V=128, the WY launch 0.371 -> 0.293 ms, the forward 1.958 -> 1.872 ms
+# (1.959 -> 1.863 at B=16 T=2048 H=32 K=V=64); errors against the spec over 18 CPU draws as
+# before (bench/RESULTS.md).
+DECAYED_ERASE_KEYS_IN_WK = True
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
@@ -1019,18 +1025,20 @@ def _output_kernel(
     cols_v = i_v * BV + tl.arange(0, BV)
     v_ok = cols_v < V
     row0 = i_bh * N * 64 + i_n * 64
-    # Products in float32 (TF32) whatever the saved dtype, as in the state pass.
-    U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0).to(tl.float32)
-    P_tile = _load_chunk_matrix(_chunk_matrix(P, i_bh * N + i_n))
-    out = tl.dot(P_tile, U_tile, input_precision=DOT)
+    U_tile = tl.load(U + (row0 + rows[:, None]) * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
+    if BFLOAT16_PRODUCT and P.dtype.element_ty == tl.bfloat16 and U.dtype.element_ty == tl.bfloat16:
+        out = tl.dot(_load_chunk_matrix_stored(_chunk_matrix(P, i_bh * N + i_n)), U_tile)  # both as stored: exact
+    else:  # in float32 (TF32)
+        U_tile = U_tile.to(tl.float32)
+        out = tl.dot(_load_chunk_matrix(_chunk_matrix(P, i_bh * N + i_n)), U_tile, input_precision=DOT)
     state_base = (i_bh * N + i_n) * K * V
     for k0 in range(0, K, BK):
         cols_k = k0 + tl.arange(0, BK)
         k_ok = cols_k < K
         qd_tile = tl.load(qd + (row0 + rows[:, None]) * K + cols_k[None, :], mask=k_ok[None, :], other=0.0)
         S = tl.load(states + state_base + cols_k[:, None] * V + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        if BFLOAT16_PRODUCT:  # both bfloat16 as stored: their tensor-core product is exact as it is
-            out = tl.dot(qd_tile, S, out)
+        if BFLOAT16_PRODUCT and qd.dtype.element_ty == tl.bfloat16 and states.dtype.element_ty == tl.bfloat16:
+            out = tl.dot(qd_tile, S, out)  # both bfloat16 as stored: their tensor-core product is exact
         else:
             out += tl.dot(qd_tile.to(tl.float32), S.to(tl.float32), input_precision=DOT)
     # From a chunk's first bad input on (per value column), the outputs are NaN, as on the
@@ -1048,13 +1056,18 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
     B, T, H, V = o.shape
     N, K = states.shape[2], states.shape[3]
     BK = min(OUTPUT_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = chunk_value_block(V)
+    BV = output_value_block(V)
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
-        BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT and qd.dtype == states.dtype == torch.bfloat16,
+        BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT,
         num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"),
     )
+
+
+def output_value_block(V: int) -> int:
+    """Value columns per program of the output launch (``OUTPUT_VALUE_BLOCK``, at most the padded V)."""
+    return min(OUTPUT_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))
 
 
 def full_chunk_matrices(tiles: torch.Tensor) -> torch.Tensor:
