@@ -41,17 +41,16 @@ from concurrent.futures import ProcessPoolExecutor
 
 from gdn2.testing import GRAD_NAMES  # no Triton import: the workers import it under the interpreter
 
-DEFAULT = ("states", "qd", "kd", "Wk", "U")
+DEFAULT = ("states", "qd", "kd", "Wk", "U", "P", "inverse")
 # Each configuration: the saved buffers in bfloat16 and, where it differs from the default, a
 # launch constant (kernel_resources.set_launch).
 CONFIGS = {
     "default": dict(SAVED_IN_BFLOAT16=DEFAULT),
-    "U in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk")),
-    "Wk, U in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd")),
+    "P in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "inverse")),
+    "P, inverse in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U"), DECAYED_ERASE_KEYS_IN_WK=False),
+    "U in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "P", "inverse")),
+    "Wk, U in float32": dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "P", "inverse")),
     "+Uw": dict(SAVED_IN_BFLOAT16=DEFAULT + ("Uw",)),
-    "+P": dict(SAVED_IN_BFLOAT16=DEFAULT + ("P",)),
-    "+inverse": dict(SAVED_IN_BFLOAT16=DEFAULT + ("inverse",)),
-    "+Uw,P,inverse": dict(SAVED_IN_BFLOAT16=DEFAULT + ("Uw", "P", "inverse")),
 }
 # (B, T, H, K, V, log decay range); the third is the shape of tests/test_triton.py's
 # test_kernel_bfloat16_saved_buffers_widest (not run unless asked for: --shapes 2).

@@ -89,7 +89,7 @@ def test_draw_is_the_check_case_with_its_reset():
 @pytest.mark.parametrize("arguments, message", [
     (["--reset-step", "3"], "--reset-step: expected with --reset, received 3 without it"),
     (["--reset=-inf", "--reset-step", "200", "--shapes", "1"], r"--reset-step: expected 0 <= step < T = 200 at shape 1, received 200"),
-    (["--shapes", "9"], "--shapes: expected indices 0 to 6, received 9"),
+    (["--shapes", "9"], "--shapes: expected indices 0 to 7, received 9"),
     (["--variant", "STATE_BACKWARD_STAGES"], "--variant: expected NAME=VALUE"),
 ])
 def test_arguments_refused_by_name(arguments, message, monkeypatch):
