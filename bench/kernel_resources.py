@@ -439,12 +439,12 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._output_kernel,
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
         dict(scale="fp32"),
-        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=fk.output_value_block(V), DOT=dot, PACKED=packed,
+        dict(K=K, V=V, BK=min(fk.OUTPUT_KEY_BLOCK, bk), BV=fk.chunk_value_block(V), DOT=dot, PACKED=packed,
              BFLOAT16_PRODUCT=fk.OUTPUT_BFLOAT16_PRODUCT),
         fk.OUTPUT_WARPS,
     )
     LOOP_TRIPS["output"] = [key_blocks_of(min(fk.OUTPUT_KEY_BLOCK, bk))]
-    PROGRAMS["output"] = -(-V // fk.output_value_block(V)) * chunks * heads
+    PROGRAMS["output"] = -(-V // fk.chunk_value_block(V)) * chunks * heads
     bw = backward
     rounded = bw.state_backward_rounded(saved("qd") == "bf16", input_dtype, K, chunks)
     out["state_backward"] = (

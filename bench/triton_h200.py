@@ -160,7 +160,10 @@ VARIANTS: list[dict] = [
     # 2.021 and 2.019 / 2.021 ms against the default's 2.014 / 2.013 at the first shape (two
     # processes), 2.006 / 2.005 and 2.040 / 2.037 against 2.011 / 2.006 at the third. The rounded
     # reverse pass in smaller value blocks (STATE_BACKWARD_MIN_PROGRAMS=1024: 32 columns at the
-    # third shape, 16 at the first): the pass 0.389 -> 0.427 and 0.50 -> 1.20 ms.
+    # third shape, 16 at the first): the pass 0.389 -> 0.427 and 0.50 -> 1.20 ms. The output
+    # launch over all 128 value columns a program (one read of qd and P a chunk): the launch 0.239
+    # ms against 0.246, the forward no faster (1.965 / 1.970 against 1.958 / 1.975 ms at the first
+    # shape); at eight warps 1.986 / 1.991.
     # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
     # every product on bfloat16 operands, the state's gradient split for kd dS; H100 0.739 ->
     # 0.499 ms at the first shape)
@@ -183,11 +186,7 @@ VARIANTS: list[dict] = [
     # 27: the default before 2026-12-06's fourth run: P and the inverse saved in float32, b k exp(G)
     # in a float32 scratch buffer, the WY products in TF32
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U"), DECAYED_ERASE_KEYS_IN_WK=False),
-    # 28, 29: the output launch over all 128 value columns a program (one read of qd and P a
-    # chunk), at four warps or eight
-    dict(OUTPUT_VALUE_BLOCK=128),
-    dict(OUTPUT_VALUE_BLOCK=128, OUTPUT_WARPS=8),
-    # 30, 31: the steps between 27 and the default: P in bfloat16 alone; and b k exp(G) in Wk's
+    # 28, 29: the steps between 27 and the default: P in bfloat16 alone; and b k exp(G) in Wk's
     # buffer (the inverse in float32: the WY products in TF32)
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "P"), DECAYED_ERASE_KEYS_IN_WK=False),
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "P")),

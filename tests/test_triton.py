@@ -1076,6 +1076,9 @@ def test_state_backward_form_by_dtype(seed, interpreter, monkeypatch):
     assert not backward.state_backward_rounded(True, torch.bfloat16, 129, 2)
     assert not backward.state_backward_rounded(True, torch.float32, 64, 2)
     assert not backward.state_backward_rounded(False, torch.bfloat16, 64, 2)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 1)  # no loads ahead: the TF32 loop
+    assert not backward.state_backward_rounded(True, torch.bfloat16, 128, 2)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)
     monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", False)
     assert not backward.state_backward_rounded(True, torch.bfloat16, 64, 2)
 

@@ -332,12 +332,13 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
 def state_backward_rounded(bfloat16: bool, d_o_dtype: torch.dtype, K: int, N: int) -> bool:
     """Whether the reverse pass runs its products on bfloat16 operands (``STATE_BACKWARD_ROUNDED``):
     qd, kd and Wk saved in bfloat16 (``bfloat16``), dO bfloat16, K <=
-    ``STATE_BACKWARD_ROUNDED_MAX_K`` and more than one chunk a row (N). Over one chunk (Triton makes
-    N = 1 a constant: no loads ahead) Triton 3.6 builds the rounded loop wrong for the H100:
+    ``STATE_BACKWARD_ROUNDED_MAX_K``, and only with its loads a chunk ahead
+    (``state_backward_stages``), as the state forward's split products. Without them (over one
+    chunk: Triton makes N = 1 a constant) Triton 3.6 builds the rounded loop wrong for the H100:
     gradients whose bits change between calls at B=1 T=1 H=2 K=48 V=80 and an illegal memory
     access at T=64 K=V=128 (bench/RESULTS.md), where the TF32 loop is right."""
     return (STATE_BACKWARD_ROUNDED and bfloat16 and d_o_dtype == torch.bfloat16 and K <= STATE_BACKWARD_ROUNDED_MAX_K
-            and N > 1)
+            and state_backward_stages(K, N, bfloat16, rounded=True) > 1)
 
 
 def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool) -> int:

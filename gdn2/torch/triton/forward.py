@@ -68,7 +68,6 @@ STATE_WARPS = 4
 STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
-OUTPUT_VALUE_BLOCK = 64  # value columns per program of the output launch
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with U split
 # into two bfloat16 parts (``_split_dot``; Wk and kd bfloat16; the state rounded or split, below), the
 # output's qd S and P U where both operands are bfloat16 as stored (exact as they are). Off: every
@@ -1056,18 +1055,13 @@ def output(qd, P, states, U, first_bad, o, scale: float, dot_precision: str, chu
     B, T, H, V = o.shape
     N, K = states.shape[2], states.shape[3]
     BK = min(OUTPUT_KEY_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = output_value_block(V)
+    BV = chunk_value_block(V)
     _output_kernel[(triton.cdiv(V, BV), N, B * H)](
         qd, P, states, U, first_bad, o, _table(chunk_table, o), scale, T, H, K, V, N,
         BK=BK, BV=BV, DOT=dot_precision, PACKED=chunk_table is not None,
         BFLOAT16_PRODUCT=OUTPUT_BFLOAT16_PRODUCT,
         num_warps=OUTPUT_WARPS, num_stages=1, **register_cap("output"),
     )
-
-
-def output_value_block(V: int) -> int:
-    """Value columns per program of the output launch (``OUTPUT_VALUE_BLOCK``, at most the padded V)."""
-    return min(OUTPUT_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))
 
 
 def full_chunk_matrices(tiles: torch.Tensor) -> torch.Tensor:
