@@ -163,7 +163,11 @@ VARIANTS: list[dict] = [
     # third shape, 16 at the first): the pass 0.389 -> 0.427 and 0.50 -> 1.20 ms. The output
     # launch over all 128 value columns a program (one read of qd and P a chunk): the launch 0.239
     # ms against 0.246, the forward no faster (1.965 / 1.970 against 1.958 / 1.975 ms at the first
-    # shape); at eight warps 1.986 / 1.991.
+    # shape); at eight warps 1.986 / 1.991. The state forward at 128 programs at least
+    # (STATE_MIN_PROGRAMS=128: 32 value columns at the second shape, one wave): forward 2.108
+    # against 2.077 ms there. At the second shape with 128 programs, the reverse pass's scale P^T dO
+    # by a launch of its own (variants 23, 24): forward+backward 8.597 against 8.436 ms, and with
+    # two chunks ahead 8.389 against 8.228 (the launch 0.163 ms, the pass no faster).
     # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
     # every product on bfloat16 operands, the state's gradient split for kd dS; H100 0.739 ->
     # 0.499 ms at the first shape)
@@ -190,6 +194,12 @@ VARIANTS: list[dict] = [
     # buffer (the inverse in float32: the WY products in TF32)
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "P"), DECAYED_ERASE_KEYS_IN_WK=False),
     dict(SAVED_IN_BFLOAT16=("states", "qd", "kd", "Wk", "U", "P")),
+    # 30: the rounded reverse pass loading one chunk ahead instead of two (the default before
+    # 2026-12-06's fifth run: H100, forward+backward 8.396 / 7.685 ms against 8.179 / 7.671 at
+    # the second and third shapes, bit-identical); 31: at 256 programs at least (16 value columns
+    # a program at the second shape, two waves: the pass 1.128 against 0.722 ms)
+    dict(STATE_BACKWARD_ROUNDED_STAGES=2),
+    dict(STATE_BACKWARD_MIN_PROGRAMS=256),
 ]
 
 

@@ -1032,19 +1032,19 @@ def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
 
 
 def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
-    """With its loads ahead on (``STATE_BACKWARD_STAGES``), the reverse state pass loads a chunk
-    ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with
+    """With its loads ahead on (``STATE_BACKWARD_STAGES``, ``STATE_BACKWARD_ROUNDED_STAGES`` in the
+    rounded loop), the reverse state pass loads chunks ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with
     Triton 3.6), at K <= 64 in the TF32 loop (at 128 it was slower) and K <= 128 in the rounded
     loop, and over more than one chunk."""
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED_STAGES", 3)
     for K in (16, 40, 64, 65, 128, 256):
-        for rounded in (False, True):
-            most = 128 if rounded else 64
-            assert backward.state_backward_stages(K, 2, True, rounded) == (2 if K <= most else 1), (K, rounded)
+        for rounded, stages, most in ((False, 2, 64), (True, 3, 128)):
+            assert backward.state_backward_stages(K, 2, True, rounded) == (stages if K <= most else 1), (K, rounded)
             assert backward.state_backward_stages(K, 1, True, rounded) == 1
-        assert backward.state_backward_stages(K, 64, False, False) == 1
+            assert backward.state_backward_stages(K, 64, False, rounded) == 1
 
 
 @kernel_only
@@ -1070,15 +1070,16 @@ def test_state_backward_form_by_dtype(seed, interpreter, monkeypatch):
         error, name, errors = worst_error(result, case["expected"])
         assert error <= tolerance, (seed, dtype, name, errors)
     forms = [(launch["ROUNDED"], launch["SPLIT_DS"], launch["KB"], launch["STAGES"]) for launch in passes.launches]
-    assert forms == [(True, True, 64, 2), (False, True, 128, 1)], forms
+    assert forms == [(True, True, 64, backward.STATE_BACKWARD_ROUNDED_STAGES), (False, True, 128, 1)], forms
+    assert backward.STATE_BACKWARD_ROUNDED_STAGES > 1
     assert backward.state_backward_rounded(True, torch.bfloat16, 128, 2)
     assert not backward.state_backward_rounded(True, torch.bfloat16, 128, 1)  # one chunk: the TF32 loop
     assert not backward.state_backward_rounded(True, torch.bfloat16, 129, 2)
     assert not backward.state_backward_rounded(True, torch.float32, 64, 2)
     assert not backward.state_backward_rounded(False, torch.bfloat16, 64, 2)
-    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 1)  # no loads ahead: the TF32 loop
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED_STAGES", 1)  # no loads ahead: the TF32 loop
     assert not backward.state_backward_rounded(True, torch.bfloat16, 128, 2)
-    monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)
+    monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED_STAGES", 3)
     monkeypatch.setattr(backward, "STATE_BACKWARD_ROUNDED", False)
     assert not backward.state_backward_rounded(True, torch.bfloat16, 64, 2)
 

@@ -41,16 +41,20 @@ from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp
 # (bench/kernel_resources.py, bf16 buffers, K = V = 128): the TF32 loop in one block of 128 rows
 # takes 1,293 instructions a chunk and 376 B of spills (blocks of 64: more spills); at K = 256 one block
 # needs 128 KiB of shared memory (one program a multiprocessor), two blocks of 128 the 112 KiB of
-# the form before (two) with 2,892 instructions a chunk against 3,225.
+# the form before (two) with 2,892 instructions a chunk against 3,225. 128 programs at least, not
+# 256: at B=2 H=16 K=V=128 the rounded loop (one program a multiprocessor) then takes 32 value
+# columns a program in one wave instead of 16 in two (H100 2026-12-06: the pass 1.128 -> 0.722 ms,
+# bit-identical; the value blocks at the other two benchmark shapes unchanged).
 STATE_BACKWARD_WARPS = 4
 STATE_BACKWARD_KEY_BLOCK = 128
-STATE_BACKWARD_MIN_PROGRAMS = 256
+STATE_BACKWARD_MIN_PROGRAMS = 128
 # Every product of the loop on bfloat16 operands where qd, kd, Wk and dO are bfloat16 and K <=
 # STATE_BACKWARD_ROUNDED_MAX_K (qd^T, Wk^T and P^T read transposed from memory; dU rounded for
 # its products; the state's gradient split into two bfloat16 parts for kd dS,
-# STATE_BACKWARD_SPLIT_DS), in blocks of 64 key rows loading a chunk ahead. sm_90a, K = V = 128:
-# 1,170 instructions a chunk against the TF32 loop's 1,293, 28 B of spills against 376, 152.5 KiB
-# of shared memory (one program a multiprocessor, as flash-linear-attention's pass). H100
+# STATE_BACKWARD_SPLIT_DS), in blocks of 64 key rows loading chunks ahead (below). sm_90a, K = V =
+# 128, one chunk ahead: 1,170 instructions a chunk against the TF32 loop's 1,293, 28 B of spills
+# against 376, 152.5 KiB of shared memory (one program a multiprocessor, as
+# flash-linear-attention's pass). H100
 # (2026-12-06, three processes, bench/RESULTS.md): the pass 0.739 -> 0.499 ms at B=8 T=4096 H=16
 # K=V=128, forward+backward 8.39 -> 8.15 ms there and 8.00 -> 7.88 at B=16 T=2048 H=32 K=V=64;
 # the gradients within 2e-3 of the TF32 loop's at 16, 32 and 64 value columns, every bit
@@ -72,7 +76,13 @@ STATE_BACKWARD_ROUNDED_KEY_BLOCK = 64
 # and 64 value columns, K = 48 and 64, packed sequences too (bench/RESULTS.md). At K = 128 it
 # lost: one block of 128 key rows takes 120.5 KiB of shared memory (one program a
 # multiprocessor: 8.554 -> 9.215 ms at B=8 T=4096 H=16), two blocks of 64 spill 516 B (8.656).
+# The rounded loop loads two chunks ahead (STATE_BACKWARD_ROUNDED_STAGES; sm_90a at K = V = 128:
+# 217 KiB of shared memory against 152.5, 32 B of spills against 24). H100 (2026-12-06), against
+# one chunk ahead, bit-identical: the pass 0.483 -> 0.399 ms at B=8 T=4096 H=16 K=V=128, 0.715 ->
+# 0.483 at B=2 T=16384, 0.357 -> 0.354 at B=16 T=2048 H=32 K=V=64. The TF32 loop stays at one
+# (two ahead at K = 64: 184 B of spills against none).
 STATE_BACKWARD_STAGES = 2
+STATE_BACKWARD_ROUNDED_STAGES = 3
 STATE_BACKWARD_MAX_STAGED_K = 64
 STATE_BACKWARD_ROUNDED_MAX_STAGED_K = 128
 # Tried on the H200 (bench/RESULTS.md) and removed: products on bfloat16 operands beside TF32 ones
@@ -342,13 +352,15 @@ def state_backward_rounded(bfloat16: bool, d_o_dtype: torch.dtype, K: int, N: in
 
 
 def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool) -> int:
-    """The reverse pass's ``STAGES``: loads a chunk ahead (``STATE_BACKWARD_STAGES``) only with
+    """The reverse pass's ``STAGES``: loads chunks ahead (``STATE_BACKWARD_STAGES``,
+    ``STATE_BACKWARD_ROUNDED_STAGES`` in the rounded loop) only with
     qd, kd and Wk saved in bfloat16 (with float32 buffers Triton 3.6 builds the loop wrong for the
     H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` in the TF32 loop (above, it
     was slower) or ``STATE_BACKWARD_ROUNDED_MAX_STAGED_K`` in the rounded one (``rounded``), and
     over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead)."""
     most = STATE_BACKWARD_ROUNDED_MAX_STAGED_K if rounded else STATE_BACKWARD_MAX_STAGED_K
-    return STATE_BACKWARD_STAGES if bfloat16 and K <= most and N > 1 else 1
+    stages = STATE_BACKWARD_ROUNDED_STAGES if rounded else STATE_BACKWARD_STAGES
+    return stages if bfloat16 and K <= most and N > 1 else 1
 
 
 def state_backward_key_block(K: int, rounded: bool) -> int:
