@@ -1033,9 +1033,10 @@ def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
 
 def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
     """With its loads ahead on (``STATE_BACKWARD_STAGES``, ``STATE_BACKWARD_ROUNDED_STAGES`` in the
-    rounded loop), the reverse state pass loads chunks ahead only with bfloat16 saved buffers (float32 ones gave non-finite results on the H200 with
-    Triton 3.6), at K <= 64 in the TF32 loop (at 128 it was slower) and K <= 128 in the rounded
-    loop, and over more than one chunk."""
+    rounded loop), the reverse state pass loads chunks ahead only with bfloat16 saved buffers
+    (float32 ones gave non-finite results on the H200 with Triton 3.6), at K <= 64 in the TF32 loop
+    (at 128 it was slower) and K <= 128 in the rounded loop, over more than one chunk, and two
+    chunks ahead only on devices with the shared memory for them."""
     from gdn2.torch.triton import backward
 
     monkeypatch.setattr(backward, "STATE_BACKWARD_STAGES", 2)
@@ -1045,6 +1046,13 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
             assert backward.state_backward_stages(K, 2, True, rounded) == (stages if K <= most else 1), (K, rounded)
             assert backward.state_backward_stages(K, 1, True, rounded) == 1
             assert backward.state_backward_stages(K, 64, False, rounded) == 1
+    # two chunks ahead (217 KiB at K = V = 128) only where a block may take that much shared memory
+    hopper, ampere = 227 * 1024, 163 * 1024
+    assert backward.state_backward_stages(128, 2, True, True, hopper) == 3
+    assert backward.state_backward_stages(128, 2, True, True, ampere) == 2
+    assert backward.state_backward_stages(64, 2, True, False, ampere) == 2
+    assert backward.state_backward_stages(128, 1, True, True, ampere) == 1
+    assert backward._shared_per_block(torch.device("cpu")) is None
 
 
 @kernel_only

@@ -26,6 +26,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -80,9 +82,12 @@ STATE_BACKWARD_ROUNDED_KEY_BLOCK = 64
 # 217 KiB of shared memory against 152.5, 32 B of spills against 24). H100 (2026-12-06), against
 # one chunk ahead, bit-identical: the pass 0.483 -> 0.399 ms at B=8 T=4096 H=16 K=V=128, 0.715 ->
 # 0.483 at B=2 T=16384, 0.357 -> 0.354 at B=16 T=2048 H=32 K=V=64. The TF32 loop stays at one
-# (two ahead at K = 64: 184 B of spills against none).
+# (two ahead at K = 64: 184 B of spills against none). Two ahead only on devices whose blocks may
+# take STATE_BACKWARD_ROUNDED_STAGES_SHARED bytes (the H100 and H200 227 KiB; an A100 163 KiB:
+# one chunk ahead there, else the launch could not start).
 STATE_BACKWARD_STAGES = 2
 STATE_BACKWARD_ROUNDED_STAGES = 3
+STATE_BACKWARD_ROUNDED_STAGES_SHARED = 217 * 1024
 STATE_BACKWARD_MAX_STAGED_K = 64
 STATE_BACKWARD_ROUNDED_MAX_STAGED_K = 128
 # Tried on the H200 (bench/RESULTS.md) and removed: products on bfloat16 operands beside TF32 ones
@@ -333,7 +338,8 @@ def state_backward(qd, kd, Wk, gamma, P, d_o, d_final, d_leaving, d_U, d_initial
         d_initial if d_initial is not None else d_leaving,
         _table(chunk_table, d_o), _table(sequence_chunks, d_o), scale, T, H, K, V, N, KB=KB, BV=BV,
         HAS_FINAL=d_final is not None, STORE_INITIAL=d_initial is not None, DOT=dot_precision,
-        PACKED=chunk_table is not None, STAGES=state_backward_stages(K, N, bfloat16, rounded),
+        PACKED=chunk_table is not None,
+        STAGES=state_backward_stages(K, N, bfloat16, rounded, _shared_per_block(d_o.device)),
         LOCAL_DU=STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded, SPLIT_DS=STATE_BACKWARD_SPLIT_DS,
         num_warps=STATE_BACKWARD_WARPS, num_stages=1, **register_cap("state_backward"),
     )
@@ -351,16 +357,31 @@ def state_backward_rounded(bfloat16: bool, d_o_dtype: torch.dtype, K: int, N: in
             and state_backward_stages(K, N, bfloat16, rounded=True) > 1)
 
 
-def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool) -> int:
+def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool, shared_per_block: int | None = None) -> int:
     """The reverse pass's ``STAGES``: loads chunks ahead (``STATE_BACKWARD_STAGES``,
     ``STATE_BACKWARD_ROUNDED_STAGES`` in the rounded loop) only with
     qd, kd and Wk saved in bfloat16 (with float32 buffers Triton 3.6 builds the loop wrong for the
     H200: non-finite results), at K <= ``STATE_BACKWARD_MAX_STAGED_K`` in the TF32 loop (above, it
     was slower) or ``STATE_BACKWARD_ROUNDED_MAX_STAGED_K`` in the rounded one (``rounded``), and
-    over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead)."""
+    over more than one chunk (Triton makes N = 1 a constant: nothing to load ahead). The rounded
+    loop takes at most two stages (one chunk ahead) where ``shared_per_block``, the bytes of shared
+    memory a block may take on the device (None: no limit, as under the interpreter), is below
+    ``STATE_BACKWARD_ROUNDED_STAGES_SHARED``."""
     most = STATE_BACKWARD_ROUNDED_MAX_STAGED_K if rounded else STATE_BACKWARD_MAX_STAGED_K
     stages = STATE_BACKWARD_ROUNDED_STAGES if rounded else STATE_BACKWARD_STAGES
+    if rounded and shared_per_block is not None and shared_per_block < STATE_BACKWARD_ROUNDED_STAGES_SHARED:
+        stages = min(stages, 2)
     return stages if bfloat16 and K <= most and N > 1 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_per_block(device: torch.device) -> int | None:
+    """The bytes of shared memory a block may take on ``device`` as Triton reads it (the limit it
+    checks a launch against), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def state_backward_key_block(K: int, rounded: bool) -> int:
