@@ -428,7 +428,7 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         fk._state_forward_kernel,
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), Uw_scale=f32, gamma=f32, first_bad="i32", initial_state=f32,
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
-        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, 128), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
+        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, heads), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
                  PACKED=packed, STAGES=state_stages,
                  **fk.state_products(saved("Wk") == saved("kd") == "bf16", state_stages)),
         fk.STATE_WARPS,

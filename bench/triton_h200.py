@@ -200,6 +200,15 @@ VARIANTS: list[dict] = [
     # a program at the second shape, two waves: the pass 1.128 against 0.722 ms)
     dict(STATE_BACKWARD_ROUNDED_STAGES=2),
     dict(STATE_BACKWARD_MIN_PROGRAMS=256),
+    # 32-34, compiled only (sm_90a, Triton 3.6, K = V = 128 bf16): the state forward loading two
+    # chunks ahead (16 value columns at the second shape: 107.2 KiB against 72.6, two programs a
+    # multiprocessor, one wave; 64 at the first: 138 KiB against 97, one a multiprocessor, two
+    # waves); at 128 programs at least (32 columns at the second shape: 117.5 KiB, one wave of
+    # one a multiprocessor), or three chunks ahead there (154.2 KiB), as fla's pass (32 columns,
+    # four stages) at that shape
+    dict(STATE_STAGES=3),
+    dict(STATE_STAGES=3, STATE_MIN_PROGRAMS=128),
+    dict(STATE_STAGES=4, STATE_MIN_PROGRAMS=128),
 ]
 
 
