@@ -7,6 +7,10 @@ the benchmark shapes gets: pointers 16-byte aligned, T, H, N multiples of 16), a
 
     python bench/kernel_resources.py --K 128 --V 128 --dtype bfloat16
 
+``--arch 80`` (A100), ``86`` (RTX 3090, A6000), ``89`` (RTX 4090, L40), ``100`` (B200) or ``120``
+(RTX 5090) compiles for that GPU instead, with the launch settings chosen for its shared memory
+per block (``ARCHS``), and says of each kernel whether it fits there.
+
 Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
 
 ``--instructions`` also disassembles each cubin (the ``nvdisasm`` Triton ships next to ``ptxas``)
@@ -36,7 +40,11 @@ from triton.compiler import ASTSource
 import gdn2.torch.triton as operator
 from gdn2.torch.triton import backward, forward
 
-TARGET = GPUTarget("cuda", 90, 32)
+# Compute capability: (ptxas architecture, shared memory a block may take: CUDA's opt-in limit,
+# which Triton reads as the device's ``max_shared_mem``).
+ARCHS = {80: ("sm_80", 166912), 86: ("sm_86", 101376), 89: ("sm_89", 101376), 90: ("sm_90a", 232448),
+         100: ("sm_100a", 232448), 120: ("sm_120a", 101376)}
+ARCH = 90  # what build() compiles for (main's --arch)
 
 
 def _ptxas() -> str:
@@ -75,7 +83,7 @@ def stores_after_wait(ptx: str) -> int:
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
           disassemble: bool = False, maxnreg: int | None = None, num_stages: int = 1,
           sizes: tuple[str, ...] = ("T", "H", "N")) -> Compiled:
-    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a through Triton's ptxas, its
+    """Compile ``kernel`` (a ``triton.jit`` function) for ``ARCH`` through Triton's ptxas, its
     registers capped at ``maxnreg`` if given, the integer arguments ``sizes`` taken as multiples of
     16; with ``disassemble``, the cubin's SASS too."""
     names = kernel.arg_names
@@ -94,14 +102,14 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-    compiled = triton.compile(source, target=TARGET, options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options=options)
     sass = ""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         cubin = os.path.join(folder, "kernel.o")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+        report = subprocess.run([_ptxas(), f"-arch={ARCHS[ARCH][0]}", "-v", ptx, "-o", cubin],
                                 capture_output=True, text=True, check=True).stderr
         if disassemble:
             nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
@@ -110,7 +118,7 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
 
 
 def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
-    """Compile ``kernel`` (a ``triton.jit`` function) for sm_90a; returns (shared bytes, ptxas report)."""
+    """Compile ``kernel`` (a ``triton.jit`` function) for ``ARCH``; returns (shared bytes, ptxas report)."""
     compiled = build(kernel, pointers, scalars, constants, num_warps)
     return compiled.shared, compiled.report
 
@@ -284,6 +292,8 @@ def main(argv=None) -> None:
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--arch", type=int, default=90, choices=sorted(ARCHS),
+                        help="compute capability to compile for (90: H100/H200)")
     parser.add_argument("--dot", default="tf32", choices=["tf32", "tf32x3", "ieee"])
     parser.add_argument("--packed", action="store_true", help="the kernels as they run packed sequences")
     parser.add_argument("--B", type=int, default=8, help="batch rows, for --instructions' programs per launch")
@@ -312,6 +322,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: unset it to compile")
+    global ARCH
+    ARCH = args.arch
     if args.fla:
         for label, warps, compiled in fla_state_backward(args.K, args.V, args.H, args.instructions):
             print(_line(label, warps, compiled), flush=True)
@@ -340,6 +352,10 @@ def main(argv=None) -> None:
 
 def _line(name: str, warps: int, compiled: Compiled) -> str:
     line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
+    if ARCH != 90:
+        limit = ARCHS[ARCH][1]
+        line += f", {'fits' if compiled.shared <= limit else 'DOES NOT FIT'} {ARCHS[ARCH][0]}'s {limit / 1024:.1f} KiB a block"
+        return line
     registers = re.search(r"Used (\d+) registers", compiled.report)
     if registers:
         line += f", occupancy {occupancy(int(registers.group(1)), warps, compiled.shared):.1%}"
@@ -424,17 +440,18 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     LOOP_TRIPS["diagonal"] = [key_blocks_of(fk.diagonal_key_block(K))]
     PROGRAMS["diagonal"] = 4 * chunks * heads
     state_stages = fk.state_stages(bk, chunks)
+    state_products = fk.state_products(saved("Wk") == saved("kd") == "bf16", state_stages)
+    state_block = fk.state_value_block(V, heads, bk, state_products["SPLIT"], state_stages, ARCHS[ARCH][1])
     out["state_forward"] = (
         fk._state_forward_kernel,
         dict(Wk=saved("Wk"), kd=saved("kd"), Uw=saved("Uw"), Uw_scale=f32, gamma=f32, first_bad="i32", initial_state=f32,
              states=saved_states, U_out=saved("U"), final_state=f32, sequence_chunks="i32"),
-        {}, dict(K=K, V=V, BK=bk, BV=fk.value_block(V, heads), HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
-                 PACKED=packed, STAGES=state_stages,
-                 **fk.state_products(saved("Wk") == saved("kd") == "bf16", state_stages)),
+        {}, dict(K=K, V=V, BK=bk, BV=state_block, HAS_INITIAL=True, STORE_FINAL=True, DOT=dot,
+                 PACKED=packed, STAGES=state_stages, **state_products),
         fk.STATE_WARPS,
     )
     LOOP_TRIPS["state_forward"] = [chunks]
-    PROGRAMS["state_forward"] = -(-V // fk.value_block(V, heads)) * heads
+    PROGRAMS["state_forward"] = -(-V // state_block) * heads
     out["output"] = (
         fk._output_kernel,
         dict(qd=saved("qd"), P=saved("P"), states=saved_states, U=saved("U"), first_bad="i32", o=inp, chunk_table="i32"),
@@ -455,7 +472,8 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         dict(scale="fp32"),
         dict(K=K, V=V, KB=bw.state_backward_key_block(K, rounded),
              BV=fk.value_block(V, heads, bw.STATE_BACKWARD_MIN_PROGRAMS), HAS_FINAL=True, STORE_INITIAL=True, DOT=dot,
-             PACKED=packed, STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16", rounded),
+             PACKED=packed,
+             STAGES=bw.state_backward_stages(K, chunks, saved("qd") == "bf16", rounded, ARCHS[ARCH][1]),
              LOCAL_DU=bw.STATE_BACKWARD_LOCAL_DU, ROUNDED=rounded, SPLIT_DS=bw.STATE_BACKWARD_SPLIT_DS),
         bw.STATE_BACKWARD_WARPS,
     )

@@ -123,6 +123,28 @@ def test_instructions_option_runs():
     assert re.search(r"dynamic per launch: [\d,]+ programs", out), out
 
 
+@pytest.mark.parametrize("kernel, dtype, heads, guard", [
+    ("state_backward", "bfloat16", "4", "STATE_BACKWARD_ROUNDED_STAGES_SHARED"),  # two chunks ahead
+    ("state_forward", "float32", "128", "STATE_WIDE_BLOCK_SHARED"),  # value blocks of 64 columns
+])
+def test_state_passes_fit_a_99_kib_gpu_only_with_their_guards(kernel, dtype, heads, guard):
+    """Compiled for sm_89 (RTX 4090, L40: 99 KiB of shared memory a block) at K = V = 128, each
+    sequential pass takes the form its guard chooses there and fits; with the guard off (the
+    H100's form on any device) it does not, so that its launch there would fail with
+    OutOfResources."""
+    def compile_for_sm89(*variant):
+        run = subprocess.run([sys.executable, str(TOOL), "--arch", "89", "--K", "128", "--V", "128", "--B", "1", "--H",
+                              heads, "--dtype", dtype, "--only", kernel, *variant], cwd=ROOT,
+                             env=_compiled_mode_env(), capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout
+
+    guarded = compile_for_sm89()
+    assert re.search(rf"^{kernel} .* fits sm_89's 99\.0 KiB a block$", guarded, re.M), guarded
+    unguarded = compile_for_sm89("--variant", f"{guard}=0")
+    assert re.search(rf"^{kernel} .* DOES NOT FIT sm_89's 99\.0 KiB a block$", unguarded, re.M), unguarded
+
+
 def test_interpreter_refused():
     env = _compiled_mode_env()
     env["TRITON_INTERPRET"] = "1"

@@ -1055,6 +1055,45 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
     assert backward._shared_per_block(torch.device("cpu")) is None
 
 
+def test_state_value_block_fits_small_shared_memory():
+    """The state pass's value block: ``value_block``'s, except that its widened form loading ahead
+    at BK > 64 takes at most 32 columns on devices whose blocks may take less than 113 KiB of
+    shared memory (sm_89's 99 KiB: 113 KiB at 64 columns, bench/kernel_resources.py --arch 89)."""
+    from gdn2.torch.triton import forward
+
+    ada, ampere, hopper = 99 * 1024, 163 * 1024, 227 * 1024
+    many = 512  # heads enough for value blocks of 64 columns
+    assert forward.value_block(128, many) == 64
+    assert forward.state_value_block(128, many, 128, False, 2, ada) == 32
+    assert forward.state_value_block(256, many, 256, False, 2, ada) == 32
+    for limit in (ampere, hopper, None):
+        assert forward.state_value_block(128, many, 128, False, 2, limit) == 64
+    assert forward.state_value_block(128, many, 128, True, 2, ada) == 64  # split form: 49 KiB on sm_89
+    assert forward.state_value_block(128, many, 128, False, 1, ada) == 64  # nothing loaded ahead
+    assert forward.state_value_block(64, many, 64, False, 2, ada) == 64  # 80.8 KiB at K = V = 64
+    assert forward.state_value_block(128, 4, 128, False, 2, ada) == forward.value_block(128, 4) == 16
+
+
+@kernel_only
+def test_state_forward_in_narrower_value_blocks_on_small_shared_memory(seed, interpreter, monkeypatch):
+    """float32 inputs at K = 128 on a device with 99 KiB of shared memory a block: the state pass
+    loads ahead in value blocks of 32 columns (a spy records the launch) and output, final state
+    and every gradient match the spec."""
+    from gdn2.torch.ops import interpreter_problem
+    from gdn2.torch.triton import forward
+
+    assert interpreter_problem() is None  # its one probe of the kernels runs before the spy
+    monkeypatch.setattr(forward, "STATE_MIN_PROGRAMS", 1)  # one head: value blocks of 64 columns otherwise
+    monkeypatch.setattr(forward, "_shared_per_block", lambda device: 99 * 1024)
+    spy = _LaunchSpy(forward._state_forward_kernel)
+    monkeypatch.setattr(forward, "_state_forward_kernel", spy)
+    case = make_case(1, 66, 1, 128, 64, seed, log_decay_range=(-3.0, 0.0))  # two chunks: loads ahead
+    result = run_torch(case, "float32", path="kernel")
+    error, name, errors = worst_error(result, case["expected"])
+    assert error <= 1e-4, (seed, name, errors)
+    assert [(launch["BV"], launch["STAGES"], launch["SPLIT"]) for launch in spy.launches] == [(32, 2, False)]
+
+
 @kernel_only
 def test_state_backward_form_by_dtype(seed, interpreter, monkeypatch):
     """The reverse pass as the operator launches it at K = 128 by default: bfloat16 inputs (qd, kd,

@@ -26,14 +26,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .forward import (CHUNK, _chunk_matrix, _chunk_span, _exclusive_suffix, _exp, _load_chunk_matrix,
-                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _split_dot, _table,
+                      _load_chunk_matrix_transposed, _load_uw, _sequence_chunks, _shared_per_block, _split_dot, _table,
                       chunk_value_block, register_cap, value_block)
 
 
@@ -83,8 +81,11 @@ STATE_BACKWARD_ROUNDED_KEY_BLOCK = 64
 # one chunk ahead, bit-identical: the pass 0.483 -> 0.399 ms at B=8 T=4096 H=16 K=V=128, 0.715 ->
 # 0.483 at B=2 T=16384, 0.357 -> 0.354 at B=16 T=2048 H=32 K=V=64. The TF32 loop stays at one
 # (two ahead at K = 64: 184 B of spills against none). Two ahead only on devices whose blocks may
-# take STATE_BACKWARD_ROUNDED_STAGES_SHARED bytes (the H100 and H200 227 KiB; an A100 163 KiB:
-# one chunk ahead there, else the launch could not start).
+# take STATE_BACKWARD_ROUNDED_STAGES_SHARED bytes (the H100 and H200 227 KiB; an A100 163 KiB,
+# an RTX 4090 or L40 99 KiB: one chunk ahead there, else the launch could not start). Compiled
+# for those (bench/kernel_resources.py --arch 80 / 86 / 89 / 120, Triton 3.6), every launch fits
+# at K = V = 64, 128 and 256 with either input dtype, the widest the reverse pass at one chunk
+# ahead (88.5 KiB at K = V = 128; two ahead on sm_89: 153 KiB); not run on such a GPU.
 STATE_BACKWARD_STAGES = 2
 STATE_BACKWARD_ROUNDED_STAGES = 3
 STATE_BACKWARD_ROUNDED_STAGES_SHARED = 217 * 1024
@@ -372,16 +373,6 @@ def state_backward_stages(K: int, N: int, bfloat16: bool, rounded: bool, shared_
     if rounded and shared_per_block is not None and shared_per_block < STATE_BACKWARD_ROUNDED_STAGES_SHARED:
         stages = min(stages, 2)
     return stages if bfloat16 and K <= most and N > 1 else 1
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_per_block(device: torch.device) -> int | None:
-    """The bytes of shared memory a block may take on ``device`` as Triton reads it (the limit it
-    checks a launch against), None off CUDA."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def state_backward_key_block(K: int, rounded: bool) -> int:

@@ -45,6 +45,8 @@ are zero), states ``[B, H, N, K, V]``, ``gamma`` ``[B, H, N, K]``. The chunk mat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -92,6 +94,12 @@ DECAYED_ERASE_KEYS_IN_WK = True
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
 STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
+# The state pass in its widened form (float32 or float16 inputs) loading a chunk ahead at K > 64 in
+# value blocks of 64 columns takes 113 KiB of shared memory on sm_86, sm_89 and sm_120 (Triton 3.6,
+# bench/kernel_resources.py --arch 89; 193 KiB on sm_90a, where blocks may take 227): on devices
+# whose blocks may take less (99 KiB on those GPUs: RTX 3090, RTX 4090, L40, RTX 5090) it runs in
+# value blocks of 32 columns (88.8 KiB), else its launch could not start.
+STATE_WIDE_BLOCK_SHARED = 113 * 1024
 # Register caps (ptxas ``maxnreg``) by launch name (the names of bench/kernel_resources.py), for
 # these and the backward's launches. The keys launch at two warps and 128 registers (220 B of
 # spills, 2.47 G warp-instructions a launch against 3.35 G at four warps and 80): forward+backward
@@ -962,6 +970,28 @@ def value_block(V: int, programs_per_block: int, min_programs: int | None = None
     return block
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_per_block(device: torch.device) -> int | None:
+    """The bytes of shared memory a block may take on ``device`` as Triton reads it (the limit it
+    checks a launch against), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def state_value_block(V: int, programs_per_block: int, BK: int, split: bool, stages: int,
+                      shared_per_block: int | None = None) -> int:
+    """The state pass's value block (``value_block``), at most 32 columns where its widened form
+    (not ``split``) loads ahead (``stages`` > 1) at BK > 64 on a device whose blocks may take less
+    than ``STATE_WIDE_BLOCK_SHARED`` bytes of shared memory (``shared_per_block``; None: no limit)."""
+    BV = value_block(V, programs_per_block)
+    if (not split and stages > 1 and BK > 64 and shared_per_block is not None
+            and shared_per_block < STATE_WIDE_BLOCK_SHARED):
+        BV = min(BV, 32)
+    return BV
+
+
 def state_stages(BK: int, N: int) -> int:
     """The state pass's ``STAGES`` for BK key rows and N chunks a row: loads one chunk ahead at
     K <= 128 only (the shared memory), and only over more than one chunk: Triton makes N = 1 a
@@ -995,16 +1025,16 @@ def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states,
     B, H, N, K, V = states.shape
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
-    BV = value_block(V, rows * H)
     stages = state_stages(BK, N)
+    products = state_products(Wk.dtype == kd.dtype == torch.bfloat16, stages)
+    BV = state_value_block(V, rows * H, BK, products["SPLIT"], stages, _shared_per_block(states.device))
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, Uw_scale, gamma, first_bad,
         initial_state if initial_state is not None else states,
         states, U, final_state if final_state is not None else states,
         _table(sequence_chunks, states), H, K, V, N, BK=BK, BV=BV,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=final_state is not None, DOT=dot_precision,
-        PACKED=sequence_chunks is not None, STAGES=stages,
-        **state_products(Wk.dtype == kd.dtype == torch.bfloat16, stages), num_warps=STATE_WARPS, num_stages=1,
+        PACKED=sequence_chunks is not None, STAGES=stages, **products, num_warps=STATE_WARPS, num_stages=1,
         **register_cap("state_forward"),
     )
 
