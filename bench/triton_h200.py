@@ -164,8 +164,8 @@ VARIANTS: list[dict] = [
     # launch over all 128 value columns a program (one read of qd and P a chunk): the launch 0.239
     # ms against 0.246, the forward no faster (1.965 / 1.970 against 1.958 / 1.975 ms at the first
     # shape); at eight warps 1.986 / 1.991. The state forward at 128 programs at least
-    # (STATE_MIN_PROGRAMS=128: 32 value columns at the second shape, one wave): forward 2.108
-    # against 2.077 ms there. At the second shape with 128 programs, the reverse pass's scale P^T dO
+    # one chunk ahead (32 value columns at the second shape, one wave): forward 2.108 against 2.077
+    # ms there (two chunks ahead with it is the default since). At the second shape with 128 programs, the reverse pass's scale P^T dO
     # by a launch of its own (variants 23, 24): forward+backward 8.597 against 8.436 ms, and with
     # two chunks ahead 8.389 against 8.228 (the launch 0.163 ms, the pass no faster).
     # 21: the reverse pass's TF32 loop, the default before 2026-12-06 (since: the rounded loop,
@@ -200,15 +200,13 @@ VARIANTS: list[dict] = [
     # a program at the second shape, two waves: the pass 1.128 against 0.722 ms)
     dict(STATE_BACKWARD_ROUNDED_STAGES=2),
     dict(STATE_BACKWARD_MIN_PROGRAMS=256),
-    # 32-34, compiled only (sm_90a, Triton 3.6, K = V = 128 bf16): the state forward loading two
-    # chunks ahead (16 value columns at the second shape: 107.2 KiB against 72.6, two programs a
-    # multiprocessor, one wave; 64 at the first: 138 KiB against 97, one a multiprocessor, two
-    # waves); at 128 programs at least (32 columns at the second shape: 117.5 KiB, one wave of
-    # one a multiprocessor), or three chunks ahead there (154.2 KiB), as fla's pass (32 columns,
-    # four stages) at that shape
-    dict(STATE_STAGES=3),
-    dict(STATE_STAGES=3, STATE_MIN_PROGRAMS=128),
-    dict(STATE_STAGES=4, STATE_MIN_PROGRAMS=128),
+    # 32: the state forward's split form one chunk ahead at 256 programs at least (the default
+    # before 2026-12-06's sixth run: H100, forward 2.080 / 1.882 / 1.883 ms against 1.965 / 1.869 /
+    # 1.892 at the three shapes, bit-identical); 33: three chunks ahead (154.2 KiB at the second
+    # shape, as fla's pass there: 32 columns, four stages; then forward 1.937 and 1.901 ms at the
+    # second and first shapes)
+    dict(STATE_SPLIT_STAGES=2, STATE_SPLIT_MIN_PROGRAMS=256),
+    dict(STATE_SPLIT_STAGES=4),
 ]
 
 

@@ -988,17 +988,20 @@ def test_state_pass_widens_its_products_without_loads_ahead():
     builds them without that wrong for the H200 (an illegal memory access at K = 256, which loads
     nothing ahead, and an invalid shared memory read over a single chunk, N = 1, which Triton
     compiles as a constant; the widened products are right there, bench/RESULTS.md). At K <= 128
-    over more than one chunk they run (the form the H200 checks time)."""
+    over more than one chunk they run (the form the H200 checks time), two chunks ahead; the
+    widened form one chunk ahead (two would take more shared memory than an H100 block may)."""
     from gdn2.torch.triton import forward
 
     for BK, N in ((256, 1), (256, 2), (256, 64), (16, 1), (64, 1), (128, 1)):
-        assert forward.state_stages(BK, N) == 1, (BK, N)
-        assert not forward.state_split_products(True, forward.state_stages(BK, N))
+        for bfloat16 in (True, False):
+            assert forward.state_stages(BK, N, bfloat16) == 1, (BK, N)
+            assert not forward.state_split_products(bfloat16, forward.state_stages(BK, N, bfloat16))
     for BK in (16, 64, 128):
         for N in (2, 3, 64):
-            assert forward.state_stages(BK, N) == forward.STATE_STAGES > 1
-            assert forward.state_split_products(True, forward.state_stages(BK, N))
-            assert not forward.state_split_products(False, forward.state_stages(BK, N))
+            assert forward.state_stages(BK, N, True) == 3
+            assert forward.state_split_products(True, forward.state_stages(BK, N, True))
+            assert forward.state_stages(BK, N, False) == 2
+            assert not forward.state_split_products(False, forward.state_stages(BK, N, False))
 
 
 @kernel_only
@@ -1063,15 +1066,17 @@ def test_state_value_block_fits_small_shared_memory():
 
     ada, ampere, hopper = 99 * 1024, 163 * 1024, 227 * 1024
     many = 512  # heads enough for value blocks of 64 columns
-    assert forward.value_block(128, many) == 64
+    assert forward.value_block(128, many, forward.STATE_MIN_PROGRAMS) == 64
     assert forward.state_value_block(128, many, 128, False, 2, ada) == 32
-    assert forward.state_value_block(256, many, 256, False, 2, ada) == 32
     for limit in (ampere, hopper, None):
         assert forward.state_value_block(128, many, 128, False, 2, limit) == 64
-    assert forward.state_value_block(128, many, 128, True, 2, ada) == 64  # split form: 49 KiB on sm_89
+    assert forward.state_value_block(128, many, 128, True, 3, ada) == 64  # split form: 74 KiB on sm_89
     assert forward.state_value_block(128, many, 128, False, 1, ada) == 64  # nothing loaded ahead
     assert forward.state_value_block(64, many, 64, False, 2, ada) == 64  # 80.8 KiB at K = V = 64
-    assert forward.state_value_block(128, 4, 128, False, 2, ada) == forward.value_block(128, 4) == 16
+    assert forward.state_value_block(128, 4, 128, False, 2, ada) == 16  # few heads: 16 columns anyway
+    # programs enough: 256 in the widened form, 128 in the split form (16 and 32 columns at B=2 H=16)
+    assert forward.state_value_block(128, 32, 128, False, 2, None) == 16
+    assert forward.state_value_block(128, 32, 128, True, 3, None) == 32
 
 
 @kernel_only

@@ -67,7 +67,17 @@ DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
-STATE_STAGES = 2  # loads of the state pass issued this many chunks ahead (1: none); K <= 128 only (state_stages)
+# Loads of the state pass issued this many chunks ahead (1: none), K <= 128 only (state_stages): in
+# its widened form (float32 or float16 saved buffers) one, in its split form (bfloat16 Wk and kd)
+# two. H100 (2026-12-06, bench/RESULTS.md), the split form two chunks ahead at 128 programs at
+# least (STATE_SPLIT_MIN_PROGRAMS; sm_90a: 117.5 KiB of shared memory in value blocks of 32
+# columns, one program a multiprocessor, one wave at B=2 H=16 against two programs of 16 columns),
+# bit-identical: forward 2.080 -> 1.965 ms at B=2 T=16384 H=16 K=V=128, 1.882 -> 1.869 at B=8
+# T=4096, 1.883 -> 1.892 at B=16 T=2048 H=32 K=V=64; two ahead alone 2.040, 128 programs alone
+# slower (2.108 against 2.077). Two ahead in the widened form would take 274 KiB at K = V = 128 on
+# sm_90a, 194 KiB on sm_80 (bench/kernel_resources.py): more than those devices' blocks may take.
+STATE_STAGES = 2
+STATE_SPLIT_STAGES = 3
 OUTPUT_WARPS = 4
 OUTPUT_KEY_BLOCK = 64  # key columns of qd and S per step of the output's loop
 # Products on bfloat16 operands where the saved buffers are bfloat16: the state pass's with U split
@@ -93,7 +103,10 @@ DECAYED_ERASE_KEYS_IN_WK = True
 # The WY products on X and bkd as stored when both are bfloat16 (X saved in bfloat16 and
 # DECAYED_ERASE_KEYS_IN_WK), w v split into two bfloat16 parts; off: widened to float32 (TF32).
 WY_BFLOAT16_PRODUCTS = True
-STATE_MIN_PROGRAMS = 256  # value blocks shrink until the sequential passes have this many programs
+# Value blocks shrink until the state pass has this many programs (STATE_SPLIT_MIN_PROGRAMS in its
+# split form; the reverse pass has its own, backward.py).
+STATE_MIN_PROGRAMS = 256
+STATE_SPLIT_MIN_PROGRAMS = 128
 # The state pass in its widened form (float32 or float16 inputs) loading a chunk ahead at K > 64 in
 # value blocks of 64 columns takes 113 KiB of shared memory on sm_86, sm_89 and sm_120 (Triton 3.6,
 # bench/kernel_resources.py --arch 89; 193 KiB on sm_90a, where blocks may take 227): on devices
@@ -959,11 +972,9 @@ def chunk_value_block(V: int) -> int:
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
-def value_block(V: int, programs_per_block: int, min_programs: int | None = None) -> int:
+def value_block(V: int, programs_per_block: int, min_programs: int) -> int:
     """Columns of V per program in the sequential passes: smaller blocks when there are few heads,
-    so that the GPU has at least ``min_programs`` programs (``STATE_MIN_PROGRAMS`` if None: about
-    two per multiprocessor)."""
-    min_programs = STATE_MIN_PROGRAMS if min_programs is None else min_programs
+    so that the GPU has at least ``min_programs`` programs."""
     block = chunk_value_block(V)
     while block > 16 and programs_per_block * triton.cdiv(V, block) < min_programs:
         block //= 2
@@ -982,22 +993,27 @@ def _shared_per_block(device: torch.device) -> int | None:
 
 def state_value_block(V: int, programs_per_block: int, BK: int, split: bool, stages: int,
                       shared_per_block: int | None = None) -> int:
-    """The state pass's value block (``value_block``), at most 32 columns where its widened form
-    (not ``split``) loads ahead (``stages`` > 1) at BK > 64 on a device whose blocks may take less
-    than ``STATE_WIDE_BLOCK_SHARED`` bytes of shared memory (``shared_per_block``; None: no limit)."""
-    BV = value_block(V, programs_per_block)
+    """The state pass's value block (``value_block`` at ``STATE_SPLIT_MIN_PROGRAMS`` programs in
+    the ``split`` form, else ``STATE_MIN_PROGRAMS``), at most 32 columns where its widened form
+    loads ahead (``stages`` > 1) at BK > 64 on a device whose blocks may take less than
+    ``STATE_WIDE_BLOCK_SHARED`` bytes of shared memory (``shared_per_block``; None: no limit)."""
+    BV = value_block(V, programs_per_block, STATE_SPLIT_MIN_PROGRAMS if split else STATE_MIN_PROGRAMS)
     if (not split and stages > 1 and BK > 64 and shared_per_block is not None
             and shared_per_block < STATE_WIDE_BLOCK_SHARED):
         BV = min(BV, 32)
     return BV
 
 
-def state_stages(BK: int, N: int) -> int:
-    """The state pass's ``STAGES`` for BK key rows and N chunks a row: loads one chunk ahead at
-    K <= 128 only (the shared memory), and only over more than one chunk: Triton makes N = 1 a
-    constant of the kernel, and its loop of one chunk then has nothing to load ahead (no
-    asynchronous copies in the sm_90a build, half the shared memory)."""
-    return STATE_STAGES if BK <= 128 and N > 1 else 1
+def state_stages(BK: int, N: int, bfloat16: bool) -> int:
+    """The state pass's ``STAGES`` for BK key rows and N chunks a row, Wk and kd saved in bfloat16
+    or not: ``STATE_SPLIT_STAGES`` where its products run split (``STATE_BFLOAT16_PRODUCTS`` with
+    ``bfloat16``), else ``STATE_STAGES``; loads ahead at K <= 128 only (the shared memory), and
+    only over more than one chunk: Triton makes N = 1 a constant of the kernel, and its loop of one
+    chunk then has nothing to load ahead (no asynchronous copies in the sm_90a build, half the
+    shared memory)."""
+    if BK > 128 or N <= 1:
+        return 1
+    return STATE_SPLIT_STAGES if STATE_BFLOAT16_PRODUCTS and bfloat16 else STATE_STAGES
 
 
 def state_split_products(bfloat16: bool, stages: int) -> bool:
@@ -1025,8 +1041,9 @@ def state_forward(Wk, kd, Uw, Uw_scale, gamma, first_bad, initial_state, states,
     B, H, N, K, V = states.shape
     rows = B if sequence_chunks is None else sequence_chunks.shape[0] - 1
     BK = max(16, triton.next_power_of_2(K))
-    stages = state_stages(BK, N)
-    products = state_products(Wk.dtype == kd.dtype == torch.bfloat16, stages)
+    bfloat16 = Wk.dtype == kd.dtype == torch.bfloat16
+    stages = state_stages(BK, N, bfloat16)
+    products = state_products(bfloat16, stages)
     BV = state_value_block(V, rows * H, BK, products["SPLIT"], stages, _shared_per_block(states.device))
     _state_forward_kernel[(triton.cdiv(V, BV), rows * H)](
         Wk, kd, Uw, Uw_scale, gamma, first_bad,
