@@ -119,8 +119,9 @@ VARIANTS: list[dict] = [
     # the default before 2026-12-05's run: d_leaving in float32 and the in-chunk backward's
     # products widened (H200: forward+backward 8.327 / 7.952 ms against the default's 8.027 /
     # 7.720 at the first and third shapes); d_U in bfloat16 too (every contraction product on
-    # stored operands; db's error up to 1.9x beside fla, a speed reference); the products with
-    # d_leaving in float32 (8.131 / 7.862 against that process's 8.284 / 7.912)
+    # stored operands; db's error up to 1.9x beside fla, a speed reference; H100 2026-12-06: its
+    # three forward+backward passes at each timed shape gave different bits, a race not found);
+    # the products with d_leaving in float32 (8.131 / 7.862 against that process's 8.284 / 7.912)
     dict(GRADIENTS_IN_BFLOAT16=(), INTRA_BACKWARD_BFLOAT16_PRODUCTS=False),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
     dict(GRADIENTS_IN_BFLOAT16=()),
