@@ -439,8 +439,9 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
     )
     LOOP_TRIPS["diagonal"] = [key_blocks_of(fk.diagonal_key_block(K))]
     PROGRAMS["diagonal"] = 4 * chunks * heads
-    state_stages = fk.state_stages(bk, chunks, saved("Wk") == saved("kd") == "bf16")
-    state_products = fk.state_products(saved("Wk") == saved("kd") == "bf16", state_stages)
+    state_bfloat16 = saved("Wk") == saved("kd") == "bf16"
+    state_stages = fk.state_stages(bk, chunks, state_bfloat16)
+    state_products = fk.state_products(state_bfloat16, state_stages)
     state_block = fk.state_value_block(V, heads, bk, state_products["SPLIT"], state_stages, ARCHS[ARCH][1])
     out["state_forward"] = (
         fk._state_forward_kernel,

@@ -1055,7 +1055,9 @@ def test_state_backward_loads_ahead_only_where_built_right(monkeypatch):
     assert backward.state_backward_stages(128, 2, True, True, ampere) == 2
     assert backward.state_backward_stages(64, 2, True, False, ampere) == 2
     assert backward.state_backward_stages(128, 1, True, True, ampere) == 1
-    assert backward._shared_per_block(torch.device("cpu")) is None
+    from gdn2.torch.triton import forward
+
+    assert forward._shared_per_block(torch.device("cpu")) is None
 
 
 def test_state_value_block_fits_small_shared_memory():
