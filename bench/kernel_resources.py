@@ -11,6 +11,9 @@ the benchmark shapes gets: pointers 16-byte aligned, T, H, N multiples of 16), a
 (RTX 5090) compiles for that GPU instead, with the launch settings chosen for its shared memory
 per block (``ARCHS``), and says of each kernel whether it fits there.
 
+A kernel whose loop copies into a shared-memory slot that an asynchronous tensor-core product
+still reads gets ``RACE: <buffers>`` on its line (``overwritten_while_read``, on Triton's GPU IR).
+
 Compiling needs no CUDA device; ``TRITON_INTERPRET`` must be unset.
 
 ``--instructions`` also disassembles each cubin (the ``nvdisasm`` Triton ships next to ``ptxas``)
@@ -61,6 +64,7 @@ class Compiled(NamedTuple):
     report: str  # ptxas -v
     sass: str  # nvdisasm of the cubin ("" unless asked for)
     ptx: str
+    ttgir: str  # Triton's GPU IR, after software pipelining
 
 
 def stores_after_wait(ptx: str) -> int:
@@ -78,6 +82,102 @@ def stores_after_wait(ptx: str) -> int:
         elif waited and line.startswith(("st.shared", "stmatrix")):
             count, waited = count + 1, False
     return count
+
+
+_RESULT = re.compile(r"^\s*(%[\w\-]+)(?::\d+)? = ([\w.]+)")
+_VALUE = re.compile(r"%[\w\-]+(?:#\d+)?")
+_SCALAR_OPS = {
+    "arith.addi": lambda a, b: a + b, "arith.subi": lambda a, b: a - b, "arith.muli": lambda a, b: a * b,
+    "arith.andi": lambda a, b: a & b, "arith.remsi": lambda a, b: a % b, "arith.remui": lambda a, b: a % b,
+}
+_COMPARISONS = {"eq": int.__eq__, "ne": int.__ne__, "slt": int.__lt__, "sle": int.__le__, "sgt": int.__gt__,
+                "sge": int.__ge__, "ult": int.__lt__, "ule": int.__le__, "ugt": int.__gt__, "uge": int.__ge__}
+
+
+def _loop_body(lines: list[str], start: int) -> list[str]:
+    """The operations directly in the region of the ``scf.for`` at ``lines[start]`` (not those of
+    regions nested in it)."""
+    body, depth = [], 0
+    for line in lines[start + 1:]:
+        if depth == 0 and line.strip().startswith("}"):
+            break
+        if depth == 0:
+            body.append(line)
+        depth += line.count("{") - line.count("}")
+    return body
+
+
+def overwritten_while_read(ttgir: str, iterations: int = 3) -> list[str]:
+    """Shared-memory buffers that a loop of ``ttgir`` (Triton's GPU IR after software pipelining)
+    writes, by an asynchronous copy or a store, in a slot that an asynchronous product
+    (``warp_group_dot``) issued before and not yet waited for still reads: each loop's own slot
+    arithmetic run for ``iterations`` iterations, a slot it cannot work out counted as any slot.
+    Named as Triton names buffers, after the loaded variable. Triton 3.6 to 3.9 give a load that
+    registers read as well as such a product one buffer too few, so the copy of the step
+    ``STAGES - 1`` ahead lands in the slot this step's products read (bench/RESULTS.md)."""
+    lines = ttgir.splitlines()
+    constants = {}
+    for line in lines:
+        match = re.match(r"^\s*(%[\w\-]+) = arith\.constant (-?\d+) : i\d+ ", line)
+        if match:
+            constants[match.group(1)] = int(match.group(2))
+    found = []
+    for start, line in enumerate(lines):
+        header = re.search(r"scf\.for (%[\w\-]+) = (%[\w\-]+) to %[\w\-]+ step (%[\w\-]+)", line)
+        if not header:
+            continue
+        body = _loop_body(lines, start)
+        carried = re.findall(r"(%[\w\-]+) = (%[\w\-]+(?:#\d+)?)",
+                             line.split("iter_args(", 1)[1].split(") ->", 1)[0]) if "iter_args(" in line else []
+        values = {name: constants.get(initial) for name, initial in carried}
+        first, step = constants.get(header.group(2)), constants.get(header.group(3))
+        views: dict[str, tuple[str, int | None]] = {}  # a view of one slot: (buffer, slot)
+        in_flight: list[set] = []  # each asynchronous product not waited for: the slots it reads
+        for iteration in range(iterations):
+            env = dict(constants, **values)
+            env[header.group(1)] = None if None in (first, step) else first + iteration * step
+            yielded = None
+            for op in body:
+                code = op.strip()
+                if code.startswith("scf.yield"):
+                    yielded = _VALUE.findall(code.split(" : ", 1)[0])
+                    continue
+                match = _RESULT.match(op)
+                result, kind = (match.group(1), match.group(2)) if match else (None, code.split(" ", 1)[0])
+                operands = _VALUE.findall(op.split(" = ", 1)[1] if match else code)
+                if kind in _SCALAR_OPS or kind in ("arith.cmpi", "arith.select"):
+                    if not re.search(r": i\d+ loc", op):  # tensors: not slot arithmetic
+                        continue
+                    args = [env.get(o) for o in operands[:3]]
+                    if kind == "arith.select":
+                        env[result] = None if args[0] is None else (args[1] if args[0] else args[2])
+                    elif None in args[:2] or (kind.startswith("arith.rem") and args[1] == 0):
+                        env[result] = None
+                    elif kind == "arith.cmpi":
+                        env[result] = _COMPARISONS[code.split("arith.cmpi ", 1)[1].split(",")[0]](*args[:2])
+                    else:
+                        env[result] = _SCALAR_OPS[kind](*args[:2])
+                elif kind in ("ttg.memdesc_index", "ttg.memdesc_subview"):
+                    views[result] = (operands[0], env.get(operands[1]))
+                elif kind.startswith("ttg.memdesc_") and operands and operands[0] in views:
+                    views[result] = views[operands[0]]  # a transposed or sliced view of the same slot
+                elif kind == "ttng.warp_group_dot" and "isAsync = true" in op:
+                    in_flight.append({views[o] for o in operands[:2] if o in views})
+                elif kind == "ttng.warp_group_dot_wait":
+                    pendings = int(re.search(r"pendings = (\d+)", op).group(1))
+                    in_flight = in_flight[len(in_flight) - pendings:] if pendings else []
+                elif kind.endswith("copy_global_to_local") or kind == "ttg.local_store":
+                    target = next((views[o] for o in operands if o in views), None)
+                    for read in in_flight if target else ():
+                        for buffer, slot in read:
+                            same = slot is None or target[1] is None or slot == target[1]
+                            name = buffer.lstrip("%").rsplit("_", 1)[0]
+                            if buffer == target[0] and same and name not in found:
+                                found.append(name)
+            if yielded is None:
+                break
+            values = {name: env.get(value) for (name, _), value in zip(carried, yielded)}
+    return found
 
 
 def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int,
@@ -114,7 +214,7 @@ def build(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: 
         if disassemble:
             nvdisasm = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
             sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    return Compiled(compiled.metadata.shared, report, sass, compiled.asm["ptx"])
+    return Compiled(compiled.metadata.shared, report, sass, compiled.asm["ptx"], compiled.asm["ttgir"])
 
 
 def compile_kernel(kernel, pointers: dict[str, str], scalars: dict[str, str], constants: dict, num_warps: int):
@@ -352,6 +452,9 @@ def main(argv=None) -> None:
 
 def _line(name: str, warps: int, compiled: Compiled) -> str:
     line = f"{name:16s} {warps} warps, shared {compiled.shared / 1024:.1f} KiB, {summary(compiled.report)}"
+    overwritten = overwritten_while_read(compiled.ttgir)
+    if overwritten:
+        line += f", RACE: {', '.join(overwritten)} overwritten while asynchronous products read them"
     if ARCH != 90:
         limit = ARCHS[ARCH][1]
         line += f", {'fits' if compiled.shared <= limit else 'DOES NOT FIT'} {ARCHS[ARCH][0]}'s {limit / 1024:.1f} KiB a block"

@@ -120,7 +120,8 @@ VARIANTS: list[dict] = [
     # products widened (H200: forward+backward 8.327 / 7.952 ms against the default's 8.027 /
     # 7.720 at the first and third shapes); d_U in bfloat16 too (every contraction product on
     # stored operands; db's error up to 1.9x beside fla, a speed reference; H100 2026-12-06: its
-    # three forward+backward passes at each timed shape gave different bits, a race not found);
+    # three forward+backward passes at each timed shape gave different bits, the contraction's
+    # d_bkd: its S and dS copied over while products read them, since mended, contract_stages);
     # the products with d_leaving in float32 (8.131 / 7.862 against that process's 8.284 / 7.912)
     dict(GRADIENTS_IN_BFLOAT16=(), INTRA_BACKWARD_BFLOAT16_PRODUCTS=False),
     dict(GRADIENTS_IN_BFLOAT16=("d_leaving", "d_U")),
@@ -208,6 +209,9 @@ VARIANTS: list[dict] = [
     # second and first shapes)
     dict(STATE_SPLIT_STAGES=2, STATE_SPLIT_MIN_PROGRAMS=256),
     dict(STATE_SPLIT_STAGES=4),
+    # the contraction loading ahead with float32 states too (one stage: contract_stages)
+    dict(CONTRACT_FLOAT32_STAGES=2),
+    dict(CONTRACT_FLOAT32_STAGES=3),
 ]
 
 

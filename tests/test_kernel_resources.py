@@ -31,6 +31,17 @@ def _tool_module():
     return load_bench("kernel_resources", "kernel_resources_under_test")
 
 
+def _run_script(tmp_path, name: str, template: str) -> str:
+    """Run ``template`` (formatted with the bench folder) as a script of its own, compiled mode;
+    its standard output. ``triton.jit`` reads a function's source from its file."""
+    script = tmp_path / name
+    script.write_text(template.format(bench=str(ROOT / "bench")))
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_compiled_mode_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 # A made-up disassembly: a backward branch closes a loop of three instructions; the branch to
 # itself after EXIT is the kernel's end, not a loop.
 SASS = """
@@ -90,19 +101,15 @@ SMALL_KERNEL = textwrap.dedent("""
 def test_small_kernel_compiles_and_counts(tmp_path):
     """One small kernel with a loop, compiled and disassembled: positive counts, one loop, and a
     dynamic estimate that grows with the loop's trip count."""
-    script = tmp_path / "small_kernel.py"  # triton.jit reads its function's source from a file
-    script.write_text(SMALL_KERNEL.format(bench=str(ROOT / "bench")))
-    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_compiled_mode_env(), capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    m = re.search(r"instructions (\d+) loops (\d+) MUFU (\d+) LDG (\d+) STG (\d+)", run.stdout)
-    assert m, run.stdout
+    out = _run_script(tmp_path, "small_kernel.py", SMALL_KERNEL)
+    m = re.search(r"instructions (\d+) loops (\d+) MUFU (\d+) LDG (\d+) STG (\d+)", out)
+    assert m, out
     instructions, loops, mufu, ldg, stg = map(int, m.groups())
     assert instructions > 0 and mufu > 0 and ldg > 0 and stg > 0
     assert loops >= 1
-    dynamic = re.search(r"dynamic ([\d.]+) ([\d.]+)", run.stdout)
+    dynamic = re.search(r"dynamic ([\d.]+) ([\d.]+)", out)
     assert float(dynamic.group(1)) > float(dynamic.group(2)) >= instructions
-    assert "dynamic per launch: 10 programs" in run.stdout
+    assert "dynamic per launch: 10 programs" in out
 
 
 def test_instructions_option_runs():
@@ -252,3 +259,104 @@ def test_ptx_probe_adds_one_fence_before_each_unfenced_wgmma():
             previous = [x for x in lines[:index] if not x.startswith("//")][-1]
             assert previous == "fence.proxy.async.shared::cta;"
     assert probe.add_fences(fenced) == (fenced, 0)
+
+
+# A pipelined loop as Triton's GPU IR has it (trimmed): B's buffer is read by an asynchronous
+# product that the wait leaves in flight, and the copy of the step two ahead goes into B's slot
+# ``(insert + 1) mod depth``; with two slots that is the slot being read, with three it is not.
+PIPELINED_LOOP = """
+    %c0_i32 = arith.constant 0 : i32 loc(#loc1)
+    %c1_i32 = arith.constant 1 : i32 loc(#loc1)
+    %c-1_i32 = arith.constant -1 : i32 loc(#loc1)
+    %c{depth}_i32 = arith.constant {depth} : i32 loc(#loc1)
+    %c64_i32 = arith.constant 64 : i32 loc(#loc1)
+    %c16_i32 = arith.constant 16 : i32 loc(#loc1)
+    %A_1 = ttg.local_alloc : () -> !ttg.memdesc<3x64x16xbf16, #shared, #smem, mutable> loc(#loc2)
+    %B_2 = ttg.local_alloc : () -> !ttg.memdesc<{depth}x16x16xbf16, #shared, #smem, mutable> loc(#loc3)
+    %acc:4 = scf.for %i = %c0_i32 to %c64_i32 step %c16_i32 iter_args(%acc_3 = %cst, %extract = %c-1_i32, %insert = %c1_i32, %x = %cst_0) -> (tensor<64x16xf32, #mma>, i32, i32, tensor<16xf32>)  : i32 {{
+      %e_4 = arith.addi %extract, %c1_i32 : i32 loc(#loc4)
+      %e_5 = arith.cmpi sge, %e_4, %c{depth}_i32 : i32 loc(#loc4)
+      %e_6 = arith.select %e_5, %c0_i32, %e_4 : i32 loc(#loc4)
+      %A_7 = ttg.memdesc_index %A_1[%e_6] : !ttg.memdesc<3x64x16xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x16xbf16, #shared, #smem, mutable> loc(#loc2)
+      %B_8 = ttg.memdesc_index %B_2[%e_6] : !ttg.memdesc<{depth}x16x16xbf16, #shared, #smem, mutable> -> !ttg.memdesc<16x16xbf16, #shared, #smem, mutable> loc(#loc3)
+      %B_9 = ttg.memdesc_trans %B_8 {{order = array<i32: 1, 0>}} : !ttg.memdesc<16x16xbf16, #shared, #smem, mutable> -> !ttg.memdesc<16x16xbf16, #shared1, #smem, mutable> loc(#loc3)
+      %acc_10 = ttng.warp_group_dot %A_7, %B_9, %acc_3 {{inputPrecision = 0 : i32, isAsync = true}} : !ttg.memdesc<64x16xbf16, #shared, #smem, mutable> * !ttg.memdesc<16x16xbf16, #shared1, #smem, mutable> -> tensor<64x16xf32, #mma> loc(#loc5)
+      %acc_11:3 = ttng.warp_group_dot_wait %acc_10, %A_7, %B_9 {{pendings = {pendings} : i32}} : tensor<64x16xf32, #mma>, !ttg.memdesc<64x16xbf16, #shared, #smem, mutable>, !ttg.memdesc<16x16xbf16, #shared1, #smem, mutable> loc(#loc5)
+      %r = "tt.reduce"(%y) <{{axis = 1 : i32}}> ({{
+      ^bb0(%p: f32 loc(#loc1), %q: f32 loc(#loc1)):
+        %s = arith.addf %p, %q : f32 loc(#loc1)
+        tt.reduce.return %s : f32 loc(#loc1)
+      }}) : (tensor<16x16xf32>) -> tensor<16xf32> loc(#loc6)
+      %n_12 = arith.addi %insert, %c1_i32 : i32 loc(#loc4)
+      %n_13 = arith.cmpi sge, %n_12, %c{depth}_i32 : i32 loc(#loc4)
+      %n_14 = arith.select %n_13, %c0_i32, %n_12 : i32 loc(#loc4)
+      %B_15 = ttg.memdesc_index %B_2[%n_14] : !ttg.memdesc<{depth}x16x16xbf16, #shared, #smem, mutable> -> !ttg.memdesc<16x16xbf16, #shared, #smem, mutable> loc(#loc3)
+      %B_16 = ttg.async_copy_global_to_local %ptr, %B_15 mask %m other %cst_1 : tensor<16x16x!tt.ptr<bf16>> -> <16x16xbf16, #shared, #smem, mutable> loc(#loc3)
+      %B_17 = ttg.async_commit_group tokens %B_16 loc(#loc3)
+      scf.yield %acc_11#0, %e_6, %n_14, %r : tensor<64x16xf32, #mma>, i32, i32, tensor<16xf32> loc(#loc7)
+    }} {{tt.num_stages = 3 : i32}} loc(#loc7)
+"""
+
+
+@pytest.mark.parametrize("depth, pendings, overwritten", [(2, 1, ["B"]), (3, 1, []), (2, 0, [])])
+def test_overwritten_while_read_follows_the_slots(depth, pendings, overwritten):
+    """The copy two steps ahead lands in the slot the product in flight reads with two slots, not
+    with three, and not once the wait leaves no product in flight."""
+    tool = _tool_module()
+    assert tool.overwritten_while_read(PIPELINED_LOOP.format(depth=depth, pendings=pendings)) == overwritten
+
+
+DOT_AND_SUM = textwrap.dedent("""
+    import re
+    import sys
+    sys.path.insert(0, {bench!r})
+    import triton
+    import triton.language as tl
+    import kernel_resources as tool
+
+    @triton.jit
+    def dot_and_sum(a, b, out, sums, n):
+        rows = tl.arange(0, 64)
+        cols = tl.arange(0, 32)
+        acc = tl.zeros((64, 32), dtype=tl.float32)
+        total = tl.zeros((32,), dtype=tl.float32)
+        for start in tl.range(0, n, 32, num_stages=3):
+            a_tile = tl.load(a + rows[:, None] * n + start + cols[None, :])
+            b_tile = tl.load(b + (start + cols[:, None]) * 32 + cols[None, :])
+            acc = tl.dot(a_tile, b_tile, acc)
+            total += tl.sum(b_tile.to(tl.float32), 0)  # registers read B's buffer too
+        tl.store(out + rows[:, None] * 32 + cols[None, :], acc)
+        tl.store(sums + cols, total)
+
+    compiled = tool.build(dot_and_sum, dict(a="bf16", b="bf16", out="fp32", sums="fp32"), {{}}, {{}}, 4,
+                          sizes=("n",))
+    depth = re.search(r"%b_tile\\w* = ttg.local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x", compiled.ttgir)
+    print("depth", depth.group(1) if depth else None, "overwritten", tool.overwritten_while_read(compiled.ttgir))
+""")
+
+
+def test_overwritten_while_read_on_the_compilers_own_loop(tmp_path):
+    """A loop whose loaded tile both an asynchronous product and registers read, compiled by the
+    installed Triton for sm_90a: the check names that tile exactly when Triton gave it fewer
+    slots than the loop's three stages (Triton 3.6 to 3.9 give it two)."""
+    out = _run_script(tmp_path, "dot_and_sum.py", DOT_AND_SUM)
+    m = re.search(r"depth (\d+) overwritten (\[.*\])", out)
+    assert m, out
+    assert (m.group(2) == "['b_tile']") == (int(m.group(1)) < 3), out
+
+
+@pytest.mark.parametrize("dtype, size, variant", [
+    ("bfloat16", "128", ()),
+    ("bfloat16", "64", ("GRADIENTS_IN_BFLOAT16=('d_leaving','d_U')",)),
+    ("float32", "64", ("CONTRACT_FLOAT32_STAGES=3",)),
+])
+def test_no_launch_overwrites_what_its_products_read(dtype, size, variant):
+    """Every kernel compiled for sm_90a: no loop copies into a slot that an asynchronous product
+    still reads (the contraction did, with d_U in bfloat16 or float32 inputs at more than one
+    stage, before gamma's gradient had loads of its own)."""
+    run = subprocess.run([sys.executable, str(TOOL), "--K", size, "--V", size, "--dtype", dtype,
+                          *(("--variant", *variant) if variant else ())],
+                         cwd=ROOT, env=_compiled_mode_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "failed" not in run.stdout and "RACE" not in run.stdout, run.stdout
+    assert run.stdout.count(" warps, shared ") >= 11, run.stdout

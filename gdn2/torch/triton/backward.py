@@ -398,7 +398,7 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 # Loop steps whose loads Triton issues this many steps ahead, as asynchronous copies to shared
 # memory (1: none): the contraction's and the value launch's value (and key) blocks, the keys
 # launch's loops over the other sub-blocks (H200, forward+backward ms).
-CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861); float32 inputs at 1 whatever it says: contract_stages
+CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861); float32 states: CONTRACT_FLOAT32_STAGES
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
 # The contraction and value launches' products whose operands are both bfloat16 as stored (the
@@ -412,18 +412,26 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
 
 
+# The contraction's STAGES with float32 states (float32 or float16 inputs): one, no loads ahead, as
+# verified on the GPU. Its loads-ahead builds gave d_bkd bits that changed from call to call (H100
+# and H200): the copy of the block STAGES - 1 ahead went into the slot of S and dS that the
+# products still read (a Triton pipeliner fault, ``contract_stages``); with gamma's gradient on
+# loads of its own that no longer happens in the compiled code, not yet run on a GPU.
+CONTRACT_FLOAT32_STAGES = 1
+
+
 def contract_stages(bfloat16: bool) -> int:
     """The contraction launch's ``STAGES``: ``CONTRACT_STAGES`` with the states saved in bfloat16
-    (bfloat16 inputs), never loads ahead otherwise. With float32 inputs Triton 3.6's loads-ahead
-    build (two stages or three) gave d_bkd different bits from one call to the next on the same
-    inputs (H100 and H200, at K = V = 64 with 8 warps and at K = V = 128 with 4; neither ptxas 12.9
-    or 13.0 nor a proxy fence before every wgmma changed that; bench/RESULTS.md); one stage
-    repeats its bits. bfloat16 inputs repeat theirs with three stages, bit-identical to one stage
-    at the five agreement shapes in three processes on the H200 (2026-12-05's eighth run; three
-    stages: 8.539 -> 8.197 ms forward+backward at the first shape, 7.906 -> 7.828 at the third). One
-    outlier in the seventh run (db 3.4e-2 against 4e-3, with the float32 Uw) did not come back
-    there, that setting included."""
-    return CONTRACT_STAGES if bfloat16 else 1
+    (bfloat16 inputs), ``CONTRACT_FLOAT32_STAGES`` otherwise. Triton (3.6 to 3.9) gives a load
+    that registers read as well as an asynchronous product one buffer too few; while gamma's
+    gradient read S and dS from the products' loads, the copy of the value block STAGES - 1 ahead
+    went into the slot this step's products still read whenever their wait left them in flight:
+    with float32 inputs (d_bkd's bits changed between calls on the H100 and H200 at two stages or
+    three; neither ptxas 12.9 or 13.0 nor a proxy fence changed that) and with d_U in bfloat16
+    (2026-12-06), not with the default bfloat16 launch, whose float32 d_U product waits for
+    every product each step. ``overwritten_while_read`` in bench/kernel_resources.py finds it in
+    the compiled code; bench/RESULTS.md."""
+    return CONTRACT_STAGES if bfloat16 else CONTRACT_FLOAT32_STAGES
 
 
 # The value launch's barrier after d(wv)'s product: None where ``warpgroup_barrier`` says, or forced
@@ -519,7 +527,14 @@ def _intra_backward_contract_kernel(
             d_q_decayed += tl.dot(d_out.to(tl.float32) * scale, tl.trans(S), input_precision=DOT)
             d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
             d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
-        d_decay += tl.sum(dS.to(tl.float32) * S.to(tl.float32), 1)
+        # gamma's gradient from loads of its own: Triton (3.6 to 3.9) gives a load that registers
+        # read as well as an asynchronous product one buffer too few, so that the copy STAGES - 1
+        # steps ahead overwrote S and dS under this step's products (d_bkd's bits changed between
+        # calls; overwritten_while_read in bench/kernel_resources.py). The cache modifier keeps
+        # the compiler from merging these loads with the two above.
+        S_rows = tl.load(states + state_offsets, mask=state_mask, other=0.0, cache_modifier=".cg")
+        dS_rows = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0, cache_modifier=".cg")
+        d_decay += tl.sum(dS_rows.to(tl.float32) * S_rows.to(tl.float32), 1)
     if STORED:
         d_q_decayed *= scale
         d_Wk = -d_Wk
