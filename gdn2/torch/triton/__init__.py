@@ -133,6 +133,8 @@ UW_IN_FLOAT16 = True
 # no faster on the H200 (8.551 against 8.547 ms forward+backward); with the contraction's products
 # on it as stored (INTRA_BACKWARD_BFLOAT16_PRODUCTS in backward.py) forward+backward went from
 # 8.327 to 8.027 ms at B=8 T=4096 H=16 K=V=128 and from 7.952 to 7.720 at B=16 T=2048 H=32 K=V=64.
+# d_U too: 7.862 -> 7.707 and 7.715 -> 7.599 on an H100 (2026-12-06, repeatable since the
+# contraction's mend, contract_stages in backward.py), db's error as above: not the default.
 GRADIENTS_IN_BFLOAT16: tuple[str, ...] = ("d_leaving",)
 
 

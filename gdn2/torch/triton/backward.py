@@ -416,7 +416,7 @@ INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
 # verified on the GPU. Its loads-ahead builds gave d_bkd bits that changed from call to call (H100
 # and H200): the copy of the block STAGES - 1 ahead went into the slot of S and dS that the
 # products still read (a Triton pipeliner fault, ``contract_stages``); with gamma's gradient on
-# loads of its own that no longer happens in the compiled code, not yet run on a GPU.
+# loads of its own three stages repeat their bits (H100, 2026-12-06), not yet timed.
 CONTRACT_FLOAT32_STAGES = 1
 
 
