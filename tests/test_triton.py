@@ -1010,7 +1010,9 @@ def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
     the state pass's split form (a spy checks that it reached the kernel, and only there). o moves
     (by about 1e-4 of its norm: one rounding of S), the final state barely; every error against
     the spec, o's and every gradient's, stays within 10% (plus 1e-4) of the split state's (three
-    chunks, a hard reset)."""
+    chunks, a hard reset). o is bfloat16: at some draws no entry of it crosses a rounding step
+    (seed 701980805), so only the float32 final state must move (2.7e-5 to 1.1e-4 of its norm at
+    three seeds)."""
     from gdn2.torch.triton import forward
 
     case = _rounded_case(make_case(1, 130, 1, 32, 16, seed, log_decay_range=(-3.0, 0.0)), torch.bfloat16)
@@ -1026,10 +1028,10 @@ def test_state_forward_rounded_state(seed, interpreter, monkeypatch):
         split = [launch["ROUNDED_STATE"] for launch in spy.launches if launch["SPLIT"]]
         assert split and set(split) == {rounded}
         assert not any(launch["ROUNDED_STATE"] for launch in spy.launches if not launch["SPLIT"])
-    for name in ("o", "final_state"):
+    for name, least in (("o", 0.0), ("final_state", 1e-7)):
         exact, rounded = (torch.as_tensor(np.asarray(run[name], dtype=np.float64)) for run in runs)
         difference = (rounded - exact).norm() / exact.norm()
-        assert 0 < difference < 1e-3, (name, difference.item())
+        assert least <= difference < 1e-3, (seed, name, difference.item())
     for name, error in errors[1].items():
         assert error <= 1.1 * errors[0][name] + 1e-4, (seed, name, error, errors[0][name])
 
