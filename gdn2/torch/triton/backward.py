@@ -412,11 +412,9 @@ KEYS_STAGES = 2  # 10.532 -> 10.476
 INTRA_BACKWARD_BFLOAT16_PRODUCTS = True
 
 
-# The contraction's STAGES with float32 states (float32 or float16 inputs): one, no loads ahead, as
-# verified on the GPU. Its loads-ahead builds gave d_bkd bits that changed from call to call (H100
-# and H200): the copy of the block STAGES - 1 ahead went into the slot of S and dS that the
-# products still read (a Triton pipeliner fault, ``contract_stages``); with gamma's gradient on
-# loads of its own three stages repeat their bits (H100, 2026-12-06), not yet timed.
+# The contraction's STAGES with float32 states (float32 or float16 inputs): one, no loads ahead.
+# Its loads-ahead builds changed bits from call to call until the mend ``contract_stages``
+# describes; since, three stages repeat their bits (H100, 2026-12-06), not yet timed.
 CONTRACT_FLOAT32_STAGES = 1
 
 
@@ -429,8 +427,9 @@ def contract_stages(bfloat16: bool) -> int:
     with float32 inputs (d_bkd's bits changed between calls on the H100 and H200 at two stages or
     three; neither ptxas 12.9 or 13.0 nor a proxy fence changed that) and with d_U in bfloat16
     (2026-12-06), not with the default bfloat16 launch, whose float32 d_U product waits for
-    every product each step. ``overwritten_while_read`` in bench/kernel_resources.py finds it in
-    the compiled code; bench/RESULTS.md."""
+    every product each step. Gamma's gradient now has loads of its own.
+    ``overwritten_while_read`` in bench/kernel_resources.py finds such loops in the compiled code;
+    bench/RESULTS.md."""
     return CONTRACT_STAGES if bfloat16 else CONTRACT_FLOAT32_STAGES
 
 
@@ -527,11 +526,9 @@ def _intra_backward_contract_kernel(
             d_q_decayed += tl.dot(d_out.to(tl.float32) * scale, tl.trans(S), input_precision=DOT)
             d_k_to_end += tl.dot(U_tile, tl.trans(dS), input_precision=DOT)
             d_Wk -= tl.dot(dU_tile, tl.trans(S), input_precision=DOT)
-        # gamma's gradient from loads of its own: Triton (3.6 to 3.9) gives a load that registers
-        # read as well as an asynchronous product one buffer too few, so that the copy STAGES - 1
-        # steps ahead overwrote S and dS under this step's products (d_bkd's bits changed between
-        # calls; overwritten_while_read in bench/kernel_resources.py). The cache modifier keeps
-        # the compiler from merging these loads with the two above.
+        # gamma's gradient from loads of its own, so that only the products read S's and dS's
+        # slots (Triton's fault with loads that both read: contract_stages). The cache modifier
+        # keeps the compiler from merging these loads with the two above.
         S_rows = tl.load(states + state_offsets, mask=state_mask, other=0.0, cache_modifier=".cg")
         dS_rows = tl.load(d_leaving + state_offsets, mask=state_mask, other=0.0, cache_modifier=".cg")
         d_decay += tl.sum(dS_rows.to(tl.float32) * S_rows.to(tl.float32), 1)
