@@ -212,10 +212,10 @@ VARIANTS: list[dict] = [
     # the contraction loading ahead with float32 states too (one stage: contract_stages)
     dict(CONTRACT_FLOAT32_STAGES=2),
     dict(CONTRACT_FLOAT32_STAGES=3),
-    # 36, 37: the diagonal launch capped at 144 registers (sm_90a, K = V = 128: no spills, 21.9%
-    # occupancy against 168 registers' 18.8%) and at 128 (56 B of spills, 25%)
-    dict(MAX_REGISTERS={**MAX_REGISTERS, "diagonal": 144}),
-    dict(MAX_REGISTERS={**MAX_REGISTERS, "diagonal": 128}),
+    # Tried on an H100 (2026-12-06) and removed, no faster: the diagonal launch capped at 144
+    # registers (sm_90a: no spills, 21.9% occupancy against 168 registers' 18.8%), the launch
+    # 0.302 -> 0.306 ms at the first shape, 0.346 -> 0.353 at the third; at 128 (56 B of spills,
+    # 25%) 0.365 and 0.409.
 ]
 
 
