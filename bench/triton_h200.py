@@ -216,6 +216,8 @@ VARIANTS: list[dict] = [
     # registers (sm_90a: no spills, 21.9% occupancy against 168 registers' 18.8%), the launch
     # 0.302 -> 0.306 ms at the first shape, 0.346 -> 0.353 at the third; at 128 (56 B of spills,
     # 25%) 0.365 and 0.409.
+    # 36: the keys launch's pairs inside a sub-block two steps a trip (KEYS_UNROLL)
+    dict(KEYS_UNROLL=2),
 ]
 
 
