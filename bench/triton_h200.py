@@ -218,12 +218,6 @@ VARIANTS: list[dict] = [
     # 25%) 0.365 and 0.409.
     # 36: the keys launch's pairs inside a sub-block two steps a trip (KEYS_UNROLL)
     dict(KEYS_UNROLL=2),
-    # 37-39: the intra-forward and diagonal launches loading three key blocks ahead instead of two
-    # (their loads' first uses are where they wait, 2026-11 Nsight Compute; sm_90a, Triton 3.6, K =
-    # V = 128 bf16: 26 KiB of shared memory against 18 and 6 against 4, registers as before)
-    dict(INTRA_FORWARD_STAGES=4),
-    dict(DIAGONAL_STAGES=4),
-    dict(INTRA_FORWARD_STAGES=4, DIAGONAL_STAGES=4),
 ]
 
 
