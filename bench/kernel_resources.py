@@ -620,15 +620,14 @@ def kernels(K: int, V: int, inp: str, dot: str, packed: bool = False, B: int = 8
         bw._intra_backward_keys_kernel,
         dict(q=inp, k=inp, g=inp, b=inp, d_qd=f32, d_kd=f32, d_bkd=f32, sub_block_sums=f32,
              d_A_scratch=f32, d_P_scratch=f32, dq=inp, dk=inp, db=inp, chunk_table="i32"),
-        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=bw.KEYS_STAGES,
-                 UNROLL=bw.KEYS_UNROLL),
+        {}, dict(K=K, BKB=min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk), DOT=dot, PACKED=packed, STAGES=bw.KEYS_STAGES),
         bw.INTRA_BACKWARD_KEYS_WARPS,
     )
     keys_block = min(bw.INTRA_BACKWARD_KEYS_BLOCK, bk)
     PROGRAMS["intra_backward_keys"] = 4 * chunks * heads * key_blocks_of(keys_block)
     # The loops over earlier and later sub-blocks run 0 to 3 times (1.5 on average), the pairs
-    # inside a sub-block 16 steps, KEYS_UNROLL a trip.
-    LOOP_TRIPS["intra_backward_keys"] = [1.5, 1.5, 16 / bw.KEYS_UNROLL]
+    # inside a sub-block 16 steps.
+    LOOP_TRIPS["intra_backward_keys"] = [1.5, 1.5, 16]
     PROGRAMS["gate_gradient"] = chunks * heads * key_blocks_of(keys_block)
     out["gate_gradient"] = (
         bw._gate_gradient_kernel, dict(partial=f32, sub_block_sums=f32, gamma=f32, d_gamma=f32, dg=inp, chunk_table="i32"),

@@ -215,9 +215,10 @@ VARIANTS: list[dict] = [
     # Tried on an H100 (2026-12-06) and removed, no faster: the diagonal launch capped at 144
     # registers (sm_90a: no spills, 21.9% occupancy against 168 registers' 18.8%), the launch
     # 0.302 -> 0.306 ms at the first shape, 0.346 -> 0.353 at the third; at 128 (56 B of spills,
-    # 25%) 0.365 and 0.409.
-    # 36: the keys launch's pairs inside a sub-block two steps a trip (KEYS_UNROLL)
-    dict(KEYS_UNROLL=2),
+    # 25%) 0.365 and 0.409. Timed on the H200 (2026-12-06) and removed: the keys launch's pair
+    # loop two steps a trip (Triton's loop_unroll_factor; sm_90a: 310 instructions a step against
+    # 333, 236 B of spills against 204), bit-identical, forward+backward 7.629 -> 7.761 ms at the
+    # first shape, 7.398 -> 7.656 at the third (the launch 3.604 -> 3.738 ms).
 ]
 
 

@@ -401,11 +401,6 @@ INTRA_BACKWARD_KEYS_BLOCK = 32  # key columns per program of the keys launch (64
 CONTRACT_STAGES = 3  # 10.876 -> 10.656 (2: 10.861); float32 states: CONTRACT_FLOAT32_STAGES
 VALUES_STAGES = 2  # 10.876 -> 10.802 (3: 10.650 against 10.523)
 KEYS_STAGES = 2  # 10.532 -> 10.476
-# Steps of the keys launch's loop over the pairs inside a sub-block per trip (Triton's
-# loop_unroll_factor; 1: none). sm_90a, Triton 3.6, K = V = 128: two steps a trip take 310
-# instructions a step against 333 (no copies between the prefetched rows and the current ones), with
-# 236 B of spills against 204.
-KEYS_UNROLL = 1
 # The contraction and value launches' products whose operands are both bfloat16 as stored (the
 # saved states and U, dO, and d_leaving and d_U with GRADIENTS_IN_BFLOAT16) on them as stored
 # (``_product``): exact products, as the widened TF32 ones are, without the widening and with half
@@ -694,7 +689,7 @@ def _intra_backward_keys_kernel(
     d_A_scratch, d_P_scratch,  # [B, H, N, 64, 64] float32 from _intra_backward_values_kernel
     dq, dk, db,  # outputs, shapes and dtypes of the inputs
     chunk_table, T, H, K: tl.constexpr, N,
-    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    BKB: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One 16-row sub-block I of one chunk and key block: the row-local terms, the pairs with
     earlier sub-blocks J (matrix products through the row before I: left = exp of the span from
@@ -778,7 +773,7 @@ def _intra_backward_keys_kernel(
         q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 0)
     g_next, k_j, d_A_column, d_P_column = _column_step_inputs(
         k, g, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, 15)
-    for s in tl.range(16, loop_unroll_factor=UNROLL):
+    for s in range(16):
         g_i1, q_i1, b_i1, k_i1, d_A_row1, d_P_row1 = _row_step_inputs(
             q, k, g, b, d_A_scratch, d_P_scratch, first, end, HK, cols_k, k_ok, r, I, s + 1)
         g_next1, k_j1, d_A_column1, d_P_column1 = _column_step_inputs(
@@ -912,7 +907,7 @@ def intra_backward_keys(q, k, g, b, d_qd, d_kd, d_bkd, d_gamma, d_A, d_P, gamma,
     sub_block_sums = d_qd.new_empty(B, H, N, 2, 4, K)
     _intra_backward_keys_kernel[(N * 4 * triton.cdiv(K, BKB), B * H)](
         q, k, g, b, d_qd, d_kd, d_bkd, sub_block_sums, d_A, d_P, dq, dk, db, _table(chunk_table, q), T, H, K, N,
-        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, STAGES=KEYS_STAGES, UNROLL=KEYS_UNROLL,
+        BKB=BKB, DOT=dot_precision, PACKED=chunk_table is not None, STAGES=KEYS_STAGES,
         num_warps=INTRA_BACKWARD_KEYS_WARPS, num_stages=1, **register_cap("intra_backward_keys"),
     )
     _gate_gradient_kernel[(N, B * H, triton.cdiv(K, BKB))](
