@@ -171,7 +171,8 @@ def main(argv=None) -> dict[str, float | None]:
                 module._intra_forward_kernel[(N, B * H)](
                     q, k, g, b, P, A, qd, kd, bkd, gamma, first_bad, P, T, H, K, N,
                     BK=min(module.INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT="tf32",
-                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES, num_warps=module.INTRA_FORWARD_WARPS,
+                    PACKED=False, STAGES=module.INTRA_FORWARD_STAGES,
+                    SPAN_SUMS=module.INTRA_FORWARD_SPAN_SUMS, num_warps=module.INTRA_FORWARD_WARPS,
                     num_stages=1)
 
             launch()

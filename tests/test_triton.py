@@ -367,6 +367,26 @@ def test_kernel_slow_decay_with_hard_reset(seed, interpreter):
     _assert_float32_kernel_matches(with_expected(case), seed)
 
 
+@kernel_only
+@pytest.mark.parametrize("form", ["scans", "products", "stacked"])
+def test_span_sums_by_products(form, seed, interpreter, monkeypatch):
+    """The intra-forward's span sums as tensor-core products (``INTRA_FORWARD_SPAN_SUMS``): with a
+    hard reset, a step of -1e6 and slow decay elsewhere, output, final state and every gradient
+    within 1e-4 of the spec in float32; and on the inputs of ``test_intra_forward_writes_every_entry``
+    (non-finite values, padded rows, K = 40) every entry the in-chunk launches fill is finite."""
+    from gdn2.torch.triton import forward
+
+    monkeypatch.setattr(forward, "INTRA_FORWARD_SPAN_SUMS", form)
+    case = make_case(1, 130, 2, 32, 24, seed, log_decay_range=(-1.0, 0.0))
+    case["inputs"]["g"][0, 70, 1] = -np.inf
+    case["inputs"]["g"][0, 37, 0, :5] = -1e6
+    _assert_float32_kernel_matches(with_expected(case), seed)
+    filled, first_bad = _intra_forward_filled(True, torch.bfloat16, seed)
+    assert (first_bad < 64).any() and (first_bad == 64).any()
+    for name, buffer in filled.items():
+        assert torch.isfinite(buffer.double()).all(), name
+
+
 def _close(name, widened, other, tolerance, bfloat16, one_step_share=0.01):
     """``other``'s difference from ``widened`` within ``tolerance`` of the widened's norm, leaving
     out, with bfloat16 results, the entries one rounding step apart (a value that lands near a tie

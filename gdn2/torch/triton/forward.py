@@ -65,6 +65,11 @@ INTRA_FORWARD_KEY_BLOCK = 16
 # memory (1: none), in the diagonal and intra-forward launches (the WY launch's: slower).
 DIAGONAL_STAGES = 3  # 2.335 -> 2.313 ms forward (2: 2.319)
 INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
+# How the intra-forward sums the log decays down each sub-block's rows: "scans" (``tl.cumsum``,
+# ``_exclusive_suffix``), or as tensor-core products, "products" or "stacked"
+# (``_span_sums_by_products``). Nsight Compute on the H200 found the launch bound by shuffles and
+# shared memory, most of them the scans' (bench/RESULTS.md).
+INTRA_FORWARD_SPAN_SUMS = "scans"
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
 # Loads of the state pass issued this many chunks ahead (1: none), K <= 128 only (state_stages): in
@@ -275,7 +280,7 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
 
 
 @triton.jit
-def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
+def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SPAN_SUMS: tl.constexpr):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
     Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
@@ -295,9 +300,42 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad):
     k_tile = _finite(k_raw)
     bk = _finite(b_raw) * k_tile
     decay = _decay(g_tile)
-    L = tl.cumsum(decay, 0)
-    R = _exclusive_suffix(decay)
+    if SPAN_SUMS != "scans":
+        L, R = _span_sums_by_products(decay, SPAN_SUMS)
+    else:
+        L = tl.cumsum(decay, 0)
+        R = _exclusive_suffix(decay)
     return q_tile, k_tile, bk, L, R, L + R, key_bad
+
+
+@triton.jit
+def _span_sums_by_products(decay, FORM: tl.constexpr):
+    """``tl.cumsum(decay, 0)`` and ``_exclusive_suffix(decay)`` of a [16, BK] tile of log decays
+    as tensor-core products with 0/1 matrices, so that no scan runs across the rows' threads and
+    warps: decay split exactly into three bfloat16 parts (8 + 8 + 8 significant bits), each
+    product exact and summed in float32, the smallest first. ``FORM`` "products": two [16, 16]
+    matrices (rows i sum rows 0..i, and rows i+1..15), six products; "stacked": both as one [32,
+    16] matrix (one warp's 16 rows each), three products, the result split in two. A hard reset
+    (-inf) enters as -2^100, which a zero times leaves zero; every sum with it still gives an
+    exponential of exactly 0 (sums of values <= 0 only: no NaN, at worst -inf)."""
+    finite = tl.maximum(decay, -1.2676506002282294e30)  # -2^100, exact in bfloat16
+    high = finite.to(tl.bfloat16)
+    rest = finite - high.to(tl.float32)
+    middle = rest.to(tl.bfloat16)
+    low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
+    c = tl.arange(0, 16)
+    if FORM == "stacked":
+        r = tl.arange(0, 32)
+        i = r[:, None] % 16
+        spans = tl.where(tl.where(r[:, None] < 16, c[None, :] <= i, c[None, :] > i), 1.0, 0.0).to(tl.bfloat16)
+        sums = tl.dot(spans, high, tl.dot(spans, middle, tl.dot(spans, low)))  # [32, BK]
+        L, R = tl.split(tl.permute(tl.reshape(sums, (2, 16, decay.shape[1])), (1, 2, 0)))
+    else:
+        inclusive = tl.where(c[None, :] <= c[:, None], 1.0, 0.0).to(tl.bfloat16)
+        after = tl.where(c[None, :] > c[:, None], 1.0, 0.0).to(tl.bfloat16)
+        L = tl.dot(inclusive, high, tl.dot(inclusive, middle, tl.dot(inclusive, low)))
+        R = tl.dot(after, high, tl.dot(after, middle, tl.dot(after, low)))
+    return L, R
 
 
 @triton.jit
@@ -547,7 +585,7 @@ def _intra_forward_kernel(
     gamma_out,  # [B, H, N, K] float32
     key_first_bad_out,  # [B, H, N] int32: the chunk's first row with a bad k, b or g (64: none)
     chunk_table, T, H, K: tl.constexpr, N,
-    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr,
+    BK: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr, STAGES: tl.constexpr, SPAN_SUMS: tl.constexpr,
 ):
     """The off-diagonal tiles of ``P`` and ``A`` of one chunk (A's beside its diagonal ones, for
     ``_inverse_kernel``; the inverse made here was slower, 2.569 against 2.375 ms forward: this
@@ -569,7 +607,7 @@ def _intra_forward_kernel(
     chunk = i_bh * N + i_n
     A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32 = _off_diagonal_tiles(
         q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-        chunk, K, BK, DOT, STAGES)
+        chunk, K, BK, DOT, STAGES, SPAN_SUMS)
     _store_below(_chunk_matrix(P_out, chunk), P10, P20, P21, P30, P31, P32)
     _store_below(_chunk_matrix(A_out, chunk), A10, A20, A21, A30, A31, A32)
 
@@ -607,7 +645,8 @@ def _invert_chunk(A, X_out, PRECISION: tl.constexpr):
 
 @triton.jit
 def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_out, gamma_out, key_first_bad_out,
-                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+                        chunk, K: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
+                        SPAN_SUMS: tl.constexpr):
     """The key loop of ``_intra_forward_kernel``: returns A's and P's off-diagonal tiles, and stores
     qd, kd, bkd, gamma and the key side's first bad row of the chunk."""
     A10 = tl.zeros((16, 16), dtype=tl.float32)
@@ -636,14 +675,14 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad)
+        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, SPAN_SUMS)
         left = _exp(L0)  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
         _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
         before = _exp(s0)  # the decay of the sub-blocks before the next one
         right0 = k0_ * _exp(R0)
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad)
+        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad, SPAN_SUMS)
         left = _exp(L1)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
@@ -655,7 +694,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         right0 = right0 * decay1
         right1 = k1 * _exp(R1)
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad)
+        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad, SPAN_SUMS)
         left = _exp(L2)
         # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
@@ -671,7 +710,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         right1 = right1 * decay2
         right2 = k2 * _exp(R2)
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad)
+        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad, SPAN_SUMS)
         left = _exp(L3)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
@@ -890,7 +929,7 @@ def intra_forward(q, k, v, g, b, w, qd, kd, Wk, Uw, Uw_scale, gamma, P, X, first
     _intra_forward_kernel[(N, B * H)](
         q, k, g, b, P, A, qd, kd, bkd, gamma, key_first_bad, table, T, H, K, N,
         BK=min(INTRA_FORWARD_KEY_BLOCK, max(16, triton.next_power_of_2(K))), DOT=dot_precision,
-        PACKED=packed, STAGES=INTRA_FORWARD_STAGES,
+        PACKED=packed, STAGES=INTRA_FORWARD_STAGES, SPAN_SUMS=INTRA_FORWARD_SPAN_SUMS,
         num_warps=INTRA_FORWARD_WARPS, num_stages=1, **register_cap("intra_forward"),
     )
     _inverse_kernel[(B * H * N,)](A, X, PRECISION=dot_precision, num_warps=INVERSE_WARPS, num_stages=1,
