@@ -91,9 +91,9 @@ def without_screening(source: str) -> str:
 
 
 def _drop_scans(body: str) -> str:
-    scans = "    L = tl.cumsum(decay, 0)\n    R = _exclusive_suffix(decay)"
+    scans = "        L = tl.cumsum(decay, 0)\n        R = _exclusive_suffix(decay)"
     assert body.count(scans) == 1, "the two scans"
-    return body.replace(scans, "    L = decay * 0.5\n    R = decay * 0.25")
+    return body.replace(scans, "        L = decay * 0.5\n        R = decay * 0.25")
 
 
 def without_scans(source: str) -> str:
