@@ -68,7 +68,8 @@ INTRA_FORWARD_STAGES = 3  # 2.497 -> 2.349 ms forward (2: 2.424)
 # How the intra-forward sums the log decays down each sub-block's rows: "scans" (``tl.cumsum``,
 # ``_exclusive_suffix``), or as tensor-core products, "products" or "stacked"
 # (``_span_sums_by_products``). Nsight Compute on the H200 found the launch bound by shuffles and
-# shared memory, most of them the scans' (bench/RESULTS.md).
+# shared memory, most of them the scans' (bench/RESULTS.md). The products' forms are not yet
+# timed (bench/triton_h200.py VARIANTS 36, 37; sm_90a: more instructions and spills, no shuffles).
 INTRA_FORWARD_SPAN_SUMS = "scans"
 INVERSE_WARPS = 1  # two: 2.524 ms forward against 2.375 (at 204 registers against 255)
 STATE_WARPS = 4
