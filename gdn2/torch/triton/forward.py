@@ -302,11 +302,13 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SPAN_SUMS: 
     bk = _finite(b_raw) * k_tile
     decay = _decay(g_tile)
     if SPAN_SUMS != "scans":
-        L, R = _span_sums_by_products(decay, SPAN_SUMS)
+        left, right = _span_sums_by_products(decay, SPAN_SUMS)
+        whole = left * right
     else:
         L = tl.cumsum(decay, 0)
         R = _exclusive_suffix(decay)
-    return q_tile, k_tile, bk, L, R, L + R, key_bad
+        left, right, whole = _exp(L), _exp(R), _exp(L + R)
+    return q_tile, k_tile, bk, left, right, whole, key_bad
 
 
 @triton.jit
@@ -330,12 +332,13 @@ def _span_sums_by_products(decay, FORM: tl.constexpr):
         i = r[:, None] % 16
         spans = tl.where(tl.where(r[:, None] < 16, c[None, :] <= i, c[None, :] > i), 1.0, 0.0).to(tl.bfloat16)
         sums = tl.dot(spans, high, tl.dot(spans, middle, tl.dot(spans, low)))  # [32, BK]
-        L, R = tl.split(tl.permute(tl.reshape(sums, (2, 16, decay.shape[1])), (1, 2, 0)))
+        L, R = tl.split(tl.permute(tl.reshape(_exp(sums), (2, 16, decay.shape[1])), (1, 2, 0)))
     else:
         inclusive = tl.where(c[None, :] <= c[:, None], 1.0, 0.0).to(tl.bfloat16)
         after = tl.where(c[None, :] > c[:, None], 1.0, 0.0).to(tl.bfloat16)
         L = tl.dot(inclusive, high, tl.dot(inclusive, middle, tl.dot(inclusive, low)))
         R = tl.dot(after, high, tl.dot(after, middle, tl.dot(after, low)))
+        L, R = _exp(L), _exp(R)
     return L, R
 
 
@@ -676,43 +679,43 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, L0, R0, s0, key_bad = _sub_block(*stored0, 0, key_bad, SPAN_SUMS)
-        left = _exp(L0)  # exp(G) on sub-block 0
+        q0, k0_, bk0, eL0, eR0, es0, key_bad = _sub_block(*stored0, 0, key_bad, SPAN_SUMS)
+        left = eL0  # exp(G) on sub-block 0
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
         _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
-        before = _exp(s0)  # the decay of the sub-blocks before the next one
-        right0 = k0_ * _exp(R0)
+        before = es0  # the decay of the sub-blocks before the next one
+        right0 = k0_ * eR0
 
-        q1, k1, bk1, L1, R1, s1, key_bad = _sub_block(*stored1, 1, key_bad, SPAN_SUMS)
-        left = _exp(L1)
+        q1, k1, bk1, eL1, eR1, es1, key_bad = _sub_block(*stored1, 1, key_bad, SPAN_SUMS)
+        left = eL1
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
-        decay1 = _exp(s1)
+        decay1 = es1
         left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
         _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
         before = before * decay1
         right0 = right0 * decay1
-        right1 = k1 * _exp(R1)
+        right1 = k1 * eR1
 
-        q2, k2, bk2, L2, R2, s2, key_bad = _sub_block(*stored2, 2, key_bad, SPAN_SUMS)
-        left = _exp(L2)
+        q2, k2, bk2, eL2, eR2, es2, key_bad = _sub_block(*stored2, 2, key_bad, SPAN_SUMS)
+        left = eL2
         # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
-        decay2 = _exp(s2)
+        decay2 = es2
         left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
         _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
         before = before * decay2
         right0 = right0 * decay2
         right1 = right1 * decay2
-        right2 = k2 * _exp(R2)
+        right2 = k2 * eR2
 
-        q3, k3, bk3, L3, R3, s3, key_bad = _sub_block(*stored3, 3, key_bad, SPAN_SUMS)
-        left = _exp(L3)
+        q3, k3, bk3, eL3, eR3, es3, key_bad = _sub_block(*stored3, 3, key_bad, SPAN_SUMS)
+        left = eL3
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
@@ -722,7 +725,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
         _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
-        decay3 = _exp(s3)
+        decay3 = es3
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
         r = tl.arange(0, 16)
         tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
@@ -731,7 +734,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         _store_rows(kd_out, 0, K, cols, col_ok, right0 * decay3)
         _store_rows(kd_out, 1, K, cols, col_ok, right1 * decay3)
         _store_rows(kd_out, 2, K, cols, col_ok, right2 * decay3)
-        _store_rows(kd_out, 3, K, cols, col_ok, k3 * _exp(R3))
+        _store_rows(kd_out, 3, K, cols, col_ok, k3 * eR3)
 
     tl.store(key_first_bad_out + chunk, tl.min(tl.min(key_bad, 1), 0))
     return A10, A20, A21, A30, A31, A32, P10, P20, P21, P30, P31, P32
