@@ -220,8 +220,8 @@ VARIANTS: list[dict] = [
     # 333, 236 B of spills against 204), bit-identical, forward+backward 7.629 -> 7.761 ms at the
     # first shape, 7.398 -> 7.656 at the third (the launch 3.604 -> 3.738 ms).
     # 36, 37: the intra-forward's span sums as tensor-core products in place of scans
-    # (INTRA_FORWARD_SPAN_SUMS; sm_90a, K = V = 128: no shuffles in the key loop, 0.295 and 0.267 G
-    # warp-instructions a launch against 0.237, 224 and 136 B of spills against none)
+    # (INTRA_FORWARD_SPAN_SUMS; sm_90a, K = V = 128: no shuffles in the key loop, 0.270 and 0.240 G
+    # warp-instructions a launch against 0.237, 192 and 148 B of spills against none)
     dict(INTRA_FORWARD_SPAN_SUMS="products"),
     dict(INTRA_FORWARD_SPAN_SUMS="stacked"),
 ]

@@ -284,9 +284,10 @@ def _chunk_load(q, k, b, g, key_base, t0, T, HK, cols, col_ok):
 def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SPAN_SUMS: tl.constexpr):
     """Inputs and span sums of sub-block I from its stored tiles (``_sub_block_load``).
 
-    Returns q, k, b * k ([16, BK] float32), the inclusive prefix ``L``, the exclusive suffix ``R``
-    and the sub-block total ``L + R`` ([16, BK]: each row the whole span's sum, with no reduction
-    across rows) of the log decays, each summed over its own span, and ``key_bad``, updated to
+    Returns q, k, b * k ([16, BK] float32), the exponentials of the log decays' inclusive prefix
+    ``L``, exclusive suffix ``R`` and the sub-block's total ``L + R`` ([16, BK]: each row the whole
+    span's, with no reduction across rows; with ``SPAN_SUMS`` products, ``e^L e^R``), each sum
+    over its own span, and ``key_bad``, updated to
     the chunk's first bad key-side entries so far ([16, BK] int32, elementwise: the least 16 M + r
     over the sub-blocks M seen whose k or b at row r is non-finite or whose g is NaN or +inf; 64
     where there is none; reduced once after the key loop).
@@ -313,12 +314,13 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SPAN_SUMS: 
 
 @triton.jit
 def _span_sums_by_products(decay, FORM: tl.constexpr):
-    """``tl.cumsum(decay, 0)`` and ``_exclusive_suffix(decay)`` of a [16, BK] tile of log decays
-    as tensor-core products with 0/1 matrices, so that no scan runs across the rows' threads and
-    warps: decay split exactly into three bfloat16 parts (8 + 8 + 8 significant bits), each
+    """The exponentials of ``tl.cumsum(decay, 0)`` and ``_exclusive_suffix(decay)`` of a [16, BK]
+    tile of log decays, the sums as tensor-core products with 0/1 matrices, so that no scan runs
+    across the rows' threads and warps: decay split exactly into three bfloat16 parts (8 + 8 + 8 significant bits), each
     product exact and summed in float32, the smallest first. ``FORM`` "products": two [16, 16]
     matrices (rows i sum rows 0..i, and rows i+1..15), six products; "stacked": both as one [32,
-    16] matrix (one warp's 16 rows each), three products, the result split in two. A hard reset
+    16] matrix (one warp's 16 rows each), three products, exponentials taken before the split (so
+    that each warp takes its own rows' only). A hard reset
     (-inf) enters as -2^100, which a zero times leaves zero; every sum with it still gives an
     exponential of exactly 0 (sums of values <= 0 only: no NaN, at worst -inf)."""
     finite = tl.maximum(decay, -1.2676506002282294e30)  # -2^100, exact in bfloat16
