@@ -316,13 +316,14 @@ def _sub_block(q_raw, k_raw, b_raw, g_raw, I: tl.constexpr, key_bad, SPAN_SUMS: 
 def _span_sums_by_products(decay, FORM: tl.constexpr):
     """The exponentials of ``tl.cumsum(decay, 0)`` and ``_exclusive_suffix(decay)`` of a [16, BK]
     tile of log decays, the sums as tensor-core products with 0/1 matrices, so that no scan runs
-    across the rows' threads and warps: decay split exactly into three bfloat16 parts (8 + 8 + 8 significant bits), each
-    product exact and summed in float32, the smallest first. ``FORM`` "products": two [16, 16]
-    matrices (rows i sum rows 0..i, and rows i+1..15), six products; "stacked": both as one [32,
-    16] matrix (one warp's 16 rows each), three products, exponentials taken before the split (so
-    that each warp takes its own rows' only). A hard reset
-    (-inf) enters as -2^100, which a zero times leaves zero; every sum with it still gives an
-    exponential of exactly 0 (sums of values <= 0 only: no NaN, at worst -inf)."""
+    across the rows' threads and warps: decay split exactly into three bfloat16 parts (8 + 8 + 8
+    significant bits), each product exact and summed in float32, the smallest first. ``FORM``
+    "products": two [16, 16] matrices (rows i sum rows 0..i, and rows i+1..15), six products;
+    "stacked": both as one [32, 16] matrix (one warp's 16 rows each), three products, exponentials
+    taken before the split (so that each warp takes its own rows' only). A hard reset (-inf)
+    enters as -2^100, which a zero times leaves zero; every sum with it still gives an exponential
+    of exactly 0 (sums of values <= 0 only: no NaN, at worst -inf). The 0/1 matrices go through
+    float32 to bfloat16: the interpreter casts a boolean to bfloat16 as the integer pattern 1."""
     finite = tl.maximum(decay, -1.2676506002282294e30)  # -2^100, exact in bfloat16
     high = finite.to(tl.bfloat16)
     rest = finite - high.to(tl.float32)
@@ -332,7 +333,8 @@ def _span_sums_by_products(decay, FORM: tl.constexpr):
     if FORM == "stacked":
         r = tl.arange(0, 32)
         i = r[:, None] % 16
-        spans = tl.where(tl.where(r[:, None] < 16, c[None, :] <= i, c[None, :] > i), 1.0, 0.0).to(tl.bfloat16)
+        summed = tl.where(r[:, None] < 16, c[None, :] <= i, c[None, :] > i)  # rows 0..i, then i+1..15
+        spans = tl.where(summed, 1.0, 0.0).to(tl.bfloat16)
         sums = tl.dot(spans, high, tl.dot(spans, middle, tl.dot(spans, low)))  # [32, BK]
         L, R = tl.split(tl.permute(tl.reshape(_exp(sums), (2, 16, decay.shape[1])), (1, 2, 0)))
     else:
@@ -681,18 +683,16 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         # (one after another, each sub-block waited for its own: 3.05 -> 2.85 ms forward; the order
         # inside a sub-block matters too: with q loaded before k, ptxas scheduled it to run 3.03)
         stored0, stored1, stored2, stored3 = _chunk_load(q, k, b, g, key_base, t0, end, HK, cols, col_ok)
-        q0, k0_, bk0, eL0, eR0, es0, key_bad = _sub_block(*stored0, 0, key_bad, SPAN_SUMS)
-        left = eL0  # exp(G) on sub-block 0
+        # each sub-block's e^L (left), e^R and whole decay; on sub-block 0, left is exp(G) and its
+        # whole decay that of the sub-blocks before the next one
+        q0, k0_, bk0, left, eR0, before, key_bad = _sub_block(*stored0, 0, key_bad, SPAN_SUMS)
         _store_rows(qd_out, 0, K, cols, col_ok, q0 * left)
         _store_rows(bkd_out, 0, K, cols, col_ok, bk0 * left)
-        before = es0  # the decay of the sub-blocks before the next one
         right0 = k0_ * eR0
 
-        q1, k1, bk1, eL1, eR1, es1, key_bad = _sub_block(*stored1, 1, key_bad, SPAN_SUMS)
-        left = eL1
+        q1, k1, bk1, left, eR1, decay1, key_bad = _sub_block(*stored1, 1, key_bad, SPAN_SUMS)
         A10 += tl.dot(bk1 * left, tl.trans(right0), input_precision=DOT)
         P10 += tl.dot(q1 * left, tl.trans(right0), input_precision=DOT)
-        decay1 = es1
         left = left * before  # exp(G) on sub-block 1
         _store_rows(qd_out, 1, K, cols, col_ok, q1 * left)
         _store_rows(bkd_out, 1, K, cols, col_ok, bk1 * left)
@@ -700,14 +700,12 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         right0 = right0 * decay1
         right1 = k1 * eR1
 
-        q2, k2, bk2, eL2, eR2, es2, key_bad = _sub_block(*stored2, 2, key_bad, SPAN_SUMS)
-        left = eL2
+        q2, k2, bk2, left, eR2, decay2, key_bad = _sub_block(*stored2, 2, key_bad, SPAN_SUMS)
         # A's products before P's (each A after its P: intra-forward 0.717 -> 0.705 ms)
         A20 += tl.dot(bk2 * left, tl.trans(right0), input_precision=DOT)
         A21 += tl.dot(bk2 * left, tl.trans(right1), input_precision=DOT)
         P20 += tl.dot(q2 * left, tl.trans(right0), input_precision=DOT)
         P21 += tl.dot(q2 * left, tl.trans(right1), input_precision=DOT)
-        decay2 = es2
         left = left * before  # exp(G) on sub-block 2
         _store_rows(qd_out, 2, K, cols, col_ok, q2 * left)
         _store_rows(bkd_out, 2, K, cols, col_ok, bk2 * left)
@@ -716,8 +714,7 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         right1 = right1 * decay2
         right2 = k2 * eR2
 
-        q3, k3, bk3, eL3, eR3, es3, key_bad = _sub_block(*stored3, 3, key_bad, SPAN_SUMS)
-        left = eL3
+        q3, k3, bk3, left, eR3, decay3, key_bad = _sub_block(*stored3, 3, key_bad, SPAN_SUMS)
         A30 += tl.dot(bk3 * left, tl.trans(right0), input_precision=DOT)
         A31 += tl.dot(bk3 * left, tl.trans(right1), input_precision=DOT)
         A32 += tl.dot(bk3 * left, tl.trans(right2), input_precision=DOT)
@@ -727,7 +724,6 @@ def _off_diagonal_tiles(q, k, b, g, key_base, t0, end, HK, qd_out, kd_out, bkd_o
         left = left * before  # exp(G) on sub-block 3
         _store_rows(qd_out, 3, K, cols, col_ok, q3 * left)
         _store_rows(bkd_out, 3, K, cols, col_ok, bk3 * left)
-        decay3 = es3
         # the totals are tiles whose rows agree (to rounding): gamma from the first row
         r = tl.arange(0, 16)
         tl.store(gamma_out + chunk * K + r[:, None] * 0 + cols[None, :], before * decay3,
